@@ -1,0 +1,23 @@
+"""Moving payloads between ranks, counting every byte handed to a collective."""
+
+from lightning_gradcomp.comm.aggregators import (
+    AGGREGATORS,
+    Aggregate,
+    Aggregator,
+    AllgatherAggregator,
+    AllreduceAggregator,
+    Contribution,
+)
+from lightning_gradcomp.comm.collectives import Collectives
+from lightning_gradcomp.comm.counter import CommCounter
+
+__all__ = [
+    "AGGREGATORS",
+    "Aggregate",
+    "Aggregator",
+    "AllgatherAggregator",
+    "AllreduceAggregator",
+    "Collectives",
+    "CommCounter",
+    "Contribution",
+]

@@ -1,0 +1,126 @@
+"""Aggregators: turn every rank's payloads into the average, through counted collectives.
+
+An aggregator sees payloads and the compressor interface that parses and sums them, never a
+particular compressor. Each call handles all of a bucket's layers at once, so a bucket costs one
+collective (plus one exchange of sizes when payload sizes vary across ranks).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.comm.collectives import Collectives
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor, Payload
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One flat tensor's payload from this rank, with the compressor that reads it."""
+
+    codec: Compressor
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The result for one contribution.
+
+    Attributes:
+        mean: the average over ranks of the decompressed payloads (flat).
+        sent: the dense form of what of this rank's payload reached ``mean``; memory subtracts it.
+    """
+
+    mean: Tensor
+    sent: Tensor
+
+
+class Aggregator(ABC):
+    """Averages contributions across the ranks of ``collectives``."""
+
+    name: str
+
+    @abstractmethod
+    def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+        """One :class:`Aggregate` per contribution, in order; every rank gets the same means."""
+
+
+class AllreduceAggregator(Aggregator):
+    """Decompress locally, then one dense sum-allreduce of all contributions together.
+
+    Each rank pre-scales by ``1/P`` before the sum, as DDP's built-in reducer does, so the
+    identity compressor reproduces plain DDP bit for bit.
+    """
+
+    name = "allreduce"
+
+    def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+        if not contributions:
+            return []
+        sent = [c.codec.decompress(c.payload) for c in contributions]
+        flat = torch.cat(sent)
+        flat.mul_(1.0 / collectives.world_size)
+        collectives.all_reduce_(flat)
+        means = flat.split([s.numel() for s in sent])
+        return [Aggregate(mean, s) for mean, s in zip(means, sent, strict=True)]
+
+
+class AllgatherAggregator(Aggregator):
+    """Gather every rank's payload bytes (variable sizes allowed) and sum them on every rank.
+
+    Costs ``O(P * payload)`` bytes received per rank. Contributions of the identity compressor
+    (tensors left dense, such as biases) are all-reduced instead, in one collective of their own.
+    """
+
+    name = "allgather"
+
+    def __init__(self) -> None:
+        self._dense = AllreduceAggregator()
+
+    def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+        results: list[Aggregate | None] = [None] * len(contributions)
+        dense = [i for i, c in enumerate(contributions) if isinstance(c.codec, IdentityCompressor)]
+        gathered = [i for i, c in enumerate(contributions) if not isinstance(c.codec, IdentityCompressor)]
+        for positions, aggregate in ((dense, self._dense.aggregate), (gathered, self._gather)):
+            if positions:
+                outcome = aggregate([contributions[i] for i in positions], collectives)
+                for i, result in zip(positions, outcome, strict=True):
+                    results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _gather(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+        world, rank = collectives.world_size, collectives.rank
+        buffers = [c.payload.to_bytes() for c in contributions]
+        local = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
+        fixed = [c.codec.payload_nbytes(c.payload.numel, c.payload.dtype) for c in contributions]
+        if all(size is not None for size in fixed):
+            if fixed != [b.numel() for b in buffers]:
+                raise RuntimeError(f"payload sizes {[b.numel() for b in buffers]} differ from the declared {fixed}")
+            unit_sizes = [fixed] * world
+        else:
+            local_sizes = torch.tensor([b.numel() for b in buffers], dtype=torch.int64, device=local.device)
+            unit_sizes = collectives.all_gather(local_sizes).tolist()
+        rows = collectives.all_gather_bytes(local, sizes=[sum(sizes) for sizes in unit_sizes])
+
+        results = []
+        offsets = [0] * world
+        for i, c in enumerate(contributions):
+            numel, dtype = c.payload.numel, c.payload.dtype
+            total = torch.zeros(numel, dtype=dtype, device=local.device)
+            for r in range(world):
+                size = unit_sizes[r][i]
+                if r == rank:
+                    payload = c.payload
+                else:
+                    payload = c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], numel, dtype)
+                offsets[r] += size
+                c.codec.accumulate(payload, total)
+            results.append(Aggregate(total.div_(world), c.codec.decompress(c.payload)))
+        return results
+
+
+AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (AllreduceAggregator, AllgatherAggregator)}

@@ -1,0 +1,41 @@
+"""Compressors: pure tensor math (``compress``, ``unpack``, ``accumulate``) and their registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
+from lightning_gradcomp.compressors.sparse import SparsePayload
+from lightning_gradcomp.compressors.topk import TopKCompressor
+
+COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (IdentityCompressor, TopKCompressor)}
+
+
+def build_compressor(spec: str | Compressor, **kwargs: Any) -> Compressor:
+    """A compressor from a registry name (with its keyword arguments) or an instance as is."""
+    if isinstance(spec, Compressor):
+        if kwargs:
+            raise ValueError(
+                f"compressor arguments {sorted(kwargs)} were given with a Compressor instance ({spec!r}); "
+                "set them on the instance instead"
+            )
+        return spec
+    if not isinstance(spec, str) or spec not in COMPRESSORS:
+        raise ValueError(f"compressor must be one of {sorted(COMPRESSORS)} or a Compressor instance, got {spec!r}")
+    try:
+        return COMPRESSORS[spec](**kwargs)
+    except TypeError as err:
+        raise ValueError(f"compressor {spec!r} does not take the arguments {sorted(kwargs)}: {err}") from None
+
+
+__all__ = [
+    "COMPRESSORS",
+    "Compressor",
+    "DensePayload",
+    "IdentityCompressor",
+    "Payload",
+    "SparsePayload",
+    "TopKCompressor",
+    "build_compressor",
+]

@@ -1,0 +1,61 @@
+"""The identity compressor: the dense baseline through the same hook."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+
+
+@dataclass(frozen=True)
+class DensePayload(Payload):
+    """The tensor itself."""
+
+    values: Tensor
+
+    @property
+    def numel(self) -> int:  # type: ignore[override]
+        return self.values.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.values.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size()
+
+    def to_bytes(self) -> Tensor:
+        return to_bytes([self.values])
+
+
+class IdentityCompressor(Compressor):
+    """Sends the tensor unchanged (``compressor="none"``); aggregators all-reduce it."""
+
+    name = "none"
+    unbiased = True
+
+    def compress(self, x: Tensor, generator: torch.Generator | None = None) -> DensePayload:
+        return DensePayload(x.reshape(-1))
+
+    def unpack(self, buffer: Tensor, numel: int, dtype: torch.dtype) -> DensePayload:
+        return DensePayload(ByteReader(buffer).take(numel, dtype))
+
+    def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
+        assert isinstance(payload, DensePayload)
+        return out.add_(payload.values)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        assert isinstance(payload, DensePayload)
+        return payload.values
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        return numel * torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,74 @@
+"""Sparse payloads, (indices, values) pairs, shared by every selection compressor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Payload
+from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+
+_INT32_LIMIT = 2**31 - 1
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """Narrowest index type that addresses ``numel`` elements: int32 up to 2**31 - 1, else int64."""
+    return torch.int32 if numel <= _INT32_LIMIT else torch.int64
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SparsePayload(Payload):
+    """``k`` entries of a flat tensor of ``numel`` elements; absent entries are zero.
+
+    Wire form: the indices (int32 below 2**31 elements, else int64), then the values in the
+    gradient's dtype: ``k * (4 + itemsize)`` bytes for the usual case.
+    """
+
+    indices: Tensor
+    values: Tensor
+    numel: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def k(self) -> int:
+        """Number of entries carried."""
+        return self.values.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k * (itemsize(index_dtype(self.numel)) + self.values.element_size())
+
+    def to_bytes(self) -> Tensor:
+        return to_bytes([self.indices.to(index_dtype(self.numel)), self.values])
+
+    @classmethod
+    def from_bytes(cls, buffer: Tensor, numel: int, dtype: torch.dtype) -> SparsePayload:
+        """Parse the wire form; the entry count follows from the buffer's length."""
+        per_entry = itemsize(index_dtype(numel)) + itemsize(dtype)
+        if buffer.numel() % per_entry:
+            raise ValueError(
+                f"sparse payload of {buffer.numel()} bytes is not a whole number of {per_entry}-byte entries"
+            )
+        k = buffer.numel() // per_entry
+        reader = ByteReader(buffer)
+        indices = reader.take(k, index_dtype(numel)).long()
+        values = reader.take(k, dtype)
+        return cls(indices, values, numel)
+
+    def accumulate(self, out: Tensor) -> Tensor:
+        """Add the entries into the flat dense tensor ``out`` (in place)."""
+        return out.index_add_(0, self.indices, self.values)

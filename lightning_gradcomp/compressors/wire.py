@@ -1,0 +1,51 @@
+"""Byte-level wire format shared by all payloads: tensors concatenated as raw bytes.
+
+A payload travels as one flat ``uint8`` tensor so that every layer of a bucket, whatever its
+compressor, fits in one collective. Reading a part back copies only when the part's offset is
+not aligned for its dtype (``Tensor.view(dtype)`` needs an aligned storage offset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def to_bytes(parts: Sequence[Tensor]) -> Tensor:
+    """Concatenate the raw bytes of ``parts`` (each made contiguous and flat) into one uint8 tensor."""
+    flats = [p.detach().contiguous().reshape(-1).view(torch.uint8) for p in parts]
+    if not flats:
+        return torch.empty(0, dtype=torch.uint8)
+    if len(flats) == 1:
+        return flats[0]
+    return torch.cat(flats)
+
+
+class ByteReader:
+    """Reads typed parts back, in order, from a uint8 buffer written by :func:`to_bytes`."""
+
+    def __init__(self, buffer: Tensor) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise ValueError(f"buffer must be a 1-D uint8 tensor, got {buffer.dtype} with shape {tuple(buffer.shape)}")
+        self._buffer = buffer
+        self._offset = 0
+
+    @property
+    def remaining(self) -> int:
+        """Bytes not read yet."""
+        return self._buffer.numel() - self._offset
+
+    def take(self, count: int, dtype: torch.dtype) -> Tensor:
+        """Return the next ``count`` elements of ``dtype`` as a 1-D tensor."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = count * itemsize
+        if nbytes > self.remaining:
+            raise ValueError(f"payload truncated: need {nbytes} bytes of {dtype}, {self.remaining} left")
+        raw = self._buffer[self._offset : self._offset + nbytes]
+        absolute = raw.storage_offset() * raw.element_size()
+        if absolute % itemsize:
+            raw = raw.clone()
+        self._offset += nbytes
+        return raw.view(dtype)

@@ -1,0 +1,1 @@
+"""Example models, data and runnable demos (no downloads: every task here is built in)."""

@@ -1,0 +1,60 @@
+"""A small classifier and a deterministic task for end-to-end tests."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def teacher_task(n: int = 1024, features: int = 32, classes: int = 4, seed: int = 0) -> TensorDataset:
+    """Inputs from N(0, 1), labels from a fixed random linear teacher: learnable, deterministic."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=gen)
+    teacher = torch.randn(features, classes, generator=gen)
+    return TensorDataset(x, (x @ teacher).argmax(dim=1))
+
+
+class TinyClassifier(pl.LightningModule):
+    """Two-layer MLP: weights of 2048 and 256 elements, biases of 64 and 4."""
+
+    def __init__(self, features: int = 32, hidden: int = 64, classes: int = 4, lr: float = 0.1) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def fit(
+    strategy: pl.strategies.Strategy | str,
+    world_size: int,
+    steps: int,
+    seed: int = 0,
+    callbacks: list[pl.Callback] | None = None,
+) -> tuple[TinyClassifier, pl.Trainer]:
+    """Fit a fresh :class:`TinyClassifier` (same init on every rank) for ``steps`` steps on CPU."""
+    pl.seed_everything(seed, verbose=False)
+    model = TinyClassifier()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, DataLoader(teacher_task(), batch_size=16))
+    return model, trainer

@@ -1,0 +1,87 @@
+"""Start real ranks for a test: spawned processes over gloo on loopback, with a hard deadline.
+
+``run_ranks(fn, P, *args)`` runs ``fn(rank, P, *args)`` in P processes and returns their results
+in rank order. With ``init=True`` the default process group is initialised (gloo, 60 s timeout);
+with ``init=False`` only the environment Lightning reads is set (``LOCAL_RANK`` and friends), so
+a ``Trainer`` in ``fn`` joins the ranks as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PROCESS_GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, init: bool, args: tuple) -> None:
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    torch.set_num_threads(1)
+    try:
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out) / f"{rank}.pt")
+    except BaseException:
+        (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, init: bool = True, timeout: float = 180
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; results in rank order."""
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = [
+            context.Process(target=_entry, args=(fn, r, world_size, port, out, init, args)) for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = {
+            r: (Path(out) / f"{r}.err").read_text() for r in range(world_size) if (Path(out) / f"{r}.err").exists()
+        }
+        if errors or hung:
+            details = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(errors.items()))
+            raise AssertionError(
+                f"ranks failed (hung past {timeout} s: {hung}; exit codes {[p.exitcode for p in procs]})\n{details}"
+            )
+        return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world_size)]

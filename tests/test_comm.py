@@ -1,0 +1,116 @@
+"""Aggregators over real gloo ranks (2, 3, 4): exact results, identical on every rank, bytes counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_ranks
+
+from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
+from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
+
+NUMELS = (1000, 37, 4096)
+
+
+class ThresholdSelection(TopKCompressor):
+    """Keeps entries with |x| > 2.5: a variable count per rank, zero for a rank with small values."""
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(x.abs() > 2.5).reshape(-1)
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> None:
+        return None
+
+
+def _local_inputs(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    scale = 0.0 if rank == 1 else 1.0  # rank 1 has nothing above the threshold: it sends no entry
+    return [torch.randn(n, generator=gen) * scale * 1.2 for n in NUMELS]
+
+
+def _allgather_variable(rank: int, world_size: int) -> dict:
+    codec = ThresholdSelection()
+    collectives = Collectives()
+    payloads = [codec.compress(x) for x in _local_inputs(rank)]
+    results = AllgatherAggregator().aggregate([Contribution(codec, p) for p in payloads], collectives)
+    return {
+        "means": [r.mean for r in results],
+        "sent": [r.sent for r in results],
+        "k": [p.k for p in payloads],
+        "bytes_sent": collectives.counter.bytes_sent,
+        "calls": collectives.counter.calls,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_allgather_of_variable_sparse_payloads_is_exact_on_every_rank(world_size: int) -> None:
+    results = run_ranks(_allgather_variable, world_size)
+    codec = ThresholdSelection()
+    assert results[1]["k"] == [0, 0, 0]
+    assert all(sum(r["k"]) > 0 for i, r in enumerate(results) if i != 1)
+    for i, numel in enumerate(NUMELS):
+        total = torch.zeros(numel)
+        for rank in range(world_size):
+            total += codec.decompress(codec.compress(_local_inputs(rank)[i]))
+        expected = total / world_size
+        for rank, r in enumerate(results):
+            assert torch.equal(r["means"][i], expected), f"rank {rank}, unit {i}"
+            assert torch.equal(r["sent"][i], codec.decompress(codec.compress(_local_inputs(rank)[i])))
+    longest = max(8 * sum(r["k"]) for r in results)
+    for r in results:
+        assert r["calls"] == 2  # one size exchange + one gather, for all three units together
+        assert r["bytes_sent"] == 8 * len(NUMELS) + longest
+
+
+def _allgather_all_empty(rank: int, world_size: int) -> dict:
+    codec = ThresholdSelection()
+    collectives = Collectives()
+    payload = codec.compress(torch.zeros(10))
+    (result,) = AllgatherAggregator().aggregate([Contribution(codec, payload)], collectives)
+    return {"mean": result.mean, "bytes_sent": collectives.counter.bytes_sent}
+
+
+def test_allgather_when_no_rank_selects_anything() -> None:
+    for r in run_ranks(_allgather_all_empty, 3):
+        assert torch.equal(r["mean"], torch.zeros(10))
+        assert r["bytes_sent"] == 8 + 1  # sizes, then one padding byte: gloo never sees an empty tensor
+
+
+def _topk_and_dense(rank: int, world_size: int) -> dict:
+    topk, identity = TopKCompressor(0.01), IdentityCompressor()
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(n, generator=gen) for n in NUMELS]
+    contributions = [
+        Contribution(topk, topk.compress(xs[0])),
+        Contribution(identity, identity.compress(xs[1])),
+        Contribution(topk, topk.compress(xs[2])),
+    ]
+    collectives = Collectives()
+    gathered = AllgatherAggregator().aggregate(contributions, collectives)
+    reduced_collectives = Collectives()
+    reduced = AllreduceAggregator().aggregate(contributions, reduced_collectives)
+    return {
+        "xs": xs,
+        "gathered": [g.mean for g in gathered],
+        "reduced": [g.mean for g in reduced],
+        "counts": (collectives.counter.calls, collectives.counter.bytes_sent),
+        "reduced_counts": (reduced_collectives.counter.calls, reduced_collectives.counter.bytes_sent),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_fixed_size_payloads_skip_the_size_exchange_and_match_allreduce(world_size: int) -> None:
+    results = run_ranks(_topk_and_dense, world_size)
+    topk = TopKCompressor(0.01)
+    for i in range(len(NUMELS)):
+        for r in results:
+            assert torch.equal(r["gathered"][i], results[0]["gathered"][i])
+            assert torch.equal(r["reduced"][i], results[0]["reduced"][i])
+            # two exact sums of the same sparse vectors in different orders: equal to rounding
+            torch.testing.assert_close(r["gathered"][i], r["reduced"][i], rtol=1e-6, atol=1e-7)
+    dense_mean = sum(r["xs"][1] for r in results) / world_size
+    torch.testing.assert_close(results[0]["gathered"][1], dense_mean, rtol=1e-6, atol=1e-7)
+    sparse_bytes = sum(topk.payload_nbytes(n, torch.float32) for n in (NUMELS[0], NUMELS[2]))
+    for r in results:
+        assert r["counts"] == (2, 37 * 4 + sparse_bytes)  # dense allreduce + one gather, no size exchange
+        assert r["reduced_counts"] == (1, 4 * sum(NUMELS))

@@ -1,0 +1,125 @@
+"""Compressors and their wire format, single process: reference equivalence and exact invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import IdentityCompressor, SparsePayload, TopKCompressor, build_compressor
+from lightning_gradcomp.compressors.topk import k_for
+from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.memory import ErrorFeedback, NoMemory, build_memory
+
+
+@pytest.mark.parametrize(
+    ("numel", "density", "k"),
+    [(1000, 0.001, 1), (1000, 0.01, 10), (10, 0.001, 1), (7, 1.0, 7), (999, 0.5, 499), (0, 0.1, 0)],
+)
+def test_k_follows_the_authors_rule(numel: int, density: float, k: int) -> None:
+    assert k_for(numel, density) == k
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.3, 1.0])
+def test_topk_selects_exactly_the_k_largest_magnitudes(density: float) -> None:
+    x = torch.randn(5003, generator=torch.Generator().manual_seed(1))
+    compressor = TopKCompressor(density)
+    payload = compressor.compress(x)
+    k = k_for(x.numel(), density)
+    assert payload.k == k and payload.indices.unique().numel() == k
+    reference = x.abs().sort(descending=True).values[:k]
+    assert torch.equal(payload.values.abs().sort(descending=True).values, reference)
+    assert torch.equal(payload.values, x[payload.indices])
+    dense = compressor.decompress(payload)
+    assert torch.count_nonzero(dense) == k
+    if density == 1.0:
+        assert torch.equal(dense, x)
+
+
+def test_topk_is_a_contraction_with_the_theoretical_factor() -> None:
+    gen = torch.Generator().manual_seed(2)
+    for density in (0.001, 0.01, 0.1):
+        for x in (torch.randn(10_000, generator=gen), torch.randn(10_000, generator=gen) ** 3):
+            compressor = TopKCompressor(density)
+            error = (x - compressor.decompress(compressor.compress(x))).pow(2).sum()
+            assert error <= (1 - k_for(x.numel(), density) / x.numel()) * x.pow(2).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("numel", [1, 3, 1001])
+def test_sparse_wire_round_trip_is_exact(dtype: torch.dtype, numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    compressor = TopKCompressor(0.3)
+    payload = compressor.compress(x)
+    wire = payload.to_bytes()
+    assert wire.dtype == torch.uint8 and wire.numel() == payload.nbytes == compressor.payload_nbytes(numel, dtype)
+    assert payload.nbytes == payload.k * (4 + x.element_size())
+    # parse from an odd offset inside a bigger buffer: parts are misaligned and must still read back
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), wire])[3:]
+    back = compressor.unpack(shifted, numel, dtype)
+    assert torch.equal(back.indices, payload.indices.long()) and torch.equal(back.values, payload.values)
+    assert torch.equal(compressor.decompress(back), compressor.decompress(payload))
+
+
+def test_empty_sparse_payload_round_trips() -> None:
+    payload = SparsePayload(torch.empty(0, dtype=torch.int64), torch.empty(0), 50)
+    assert payload.nbytes == 0 and payload.to_bytes().numel() == 0
+    back = SparsePayload.from_bytes(payload.to_bytes(), 50, torch.float32)
+    assert back.k == 0 and torch.equal(back.accumulate(torch.zeros(50)), torch.zeros(50))
+
+
+def test_truncated_or_ragged_bytes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="not a whole number"):
+        SparsePayload.from_bytes(torch.zeros(7, dtype=torch.uint8), 10, torch.float32)
+    with pytest.raises(ValueError, match="truncated"):
+        ByteReader(torch.zeros(3, dtype=torch.uint8)).take(1, torch.float32)
+
+
+def test_identity_round_trip_and_bytes() -> None:
+    x = torch.randn(13).to(torch.bfloat16)
+    compressor = IdentityCompressor()
+    payload = compressor.compress(x)
+    assert payload.nbytes == 26 == compressor.payload_nbytes(13, torch.bfloat16)
+    assert torch.equal(compressor.unpack(payload.to_bytes(), 13, torch.bfloat16).values, x)
+    assert to_bytes([]).numel() == 0
+
+
+@pytest.mark.parametrize("density", [0, -0.1, 1.01, float("nan"), float("inf"), "0.1", True, None])
+def test_bad_density_is_rejected_with_the_allowed_range(density: object) -> None:
+    with pytest.raises(ValueError, match=r"density must be a number in \(0, 1\]"):
+        TopKCompressor(density)  # type: ignore[arg-type]
+
+
+def test_build_compressor_names_the_choices() -> None:
+    assert isinstance(build_compressor("topk", density=0.5), TopKCompressor)
+    with pytest.raises(ValueError, match=r"compressor must be one of \['none', 'topk'\]"):
+        build_compressor("top-k")
+    with pytest.raises(ValueError, match="does not take the arguments"):
+        build_compressor("none", density=0.1)
+    with pytest.raises(ValueError, match="set them on the instance"):
+        build_compressor(TopKCompressor(), density=0.1)
+
+
+def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:
+    gen = torch.Generator().manual_seed(3)
+    memory, compressor = ErrorFeedback(), TopKCompressor(0.05)
+    old = torch.zeros(400)
+    for _ in range(5):
+        grad = torch.randn(400, generator=gen)
+        acc = memory.compensate("w", grad)
+        assert torch.equal(acc, grad + old)
+        sent = compressor.decompress(compressor.compress(acc))
+        memory.update("w", acc, sent, sent)
+        new = memory.residual("w")
+        assert torch.equal(sent + new, acc)
+        assert torch.count_nonzero(new) == 400 - 20
+        old = new.clone()
+    state = memory.state_dict()
+    restored = ErrorFeedback()
+    restored.load_state_dict(state)
+    assert torch.equal(restored.residual("w"), old)
+
+
+def test_memory_registry() -> None:
+    assert isinstance(build_memory("none"), NoMemory) and isinstance(build_memory("ef"), ErrorFeedback)
+    with pytest.raises(ValueError, match=r"memory must be one of \['ef', 'none'\], got 'diana'"):
+        build_memory("diana")

@@ -1,0 +1,140 @@
+"""The hook under torch's own DDP on real gloo ranks: error-feedback bookkeeping, k, dense equivalence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import teacher_task
+from ranks import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp.compressors import TopKCompressor
+from lightning_gradcomp.compressors.topk import k_for
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.memory import ErrorFeedback, NoMemory
+
+STEPS = 5
+
+
+class RecordingErrorFeedback(ErrorFeedback):
+    """Error feedback that keeps a copy of every quantity it sees, for the invariants below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[dict] = []
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        old = self.residual(name)
+        acc = super().compensate(name, grad)
+        self.log.append(
+            {"name": name, "grad": grad.clone(), "old": None if old is None else old.clone(), "acc": acc.clone()}
+        )
+        return acc
+
+    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, mean: torch.Tensor) -> None:
+        super().update(name, compensated, sent, mean)
+        entry = next(e for e in reversed(self.log) if e["name"] == name)
+        entry.update(sent=sent.clone(), new=self.residual(name).clone(), compensated=compensated.clone())
+
+
+class CountingTopK(TopKCompressor):
+    def __init__(self, density: float) -> None:
+        super().__init__(density)
+        self.counts: list[tuple[int, int]] = []
+
+    def compress(self, x: torch.Tensor, generator: torch.Generator | None = None):
+        payload = super().compress(x, generator)
+        self.counts.append((x.numel(), payload.k))
+        return payload
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _train(rank: int, world_size: int, hook: GradCompHook | None, bucket_cap_mb: float = 0.001) -> nn.Module:
+    model = _model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    if hook is not None:
+        hook.param_names = {id(p): n for n, p in model.named_parameters()}
+        ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = teacher_task(n=16 * world_size * STEPS)
+    for step in range(STEPS):
+        lo = (step * world_size + rank) * 16
+        x, y = data.tensors[0][lo : lo + 16], data.tensors[1][lo : lo + 16]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    return model
+
+
+def _make_hook(compressor, memory, granularity: str, aggregator: str = "allgather", warmup: int = 0) -> GradCompHook:
+    return GradCompHook(
+        compressor,
+        memory,
+        aggregator,
+        param_names={},
+        granularity=granularity,
+        warmup_steps=warmup,
+        min_compress_numel=100,
+    )
+
+
+def _ef_bookkeeping(rank: int, world_size: int, granularity: str) -> dict:
+    memory, compressor = RecordingErrorFeedback(), CountingTopK(0.05)
+    hook = _make_hook(compressor, memory, granularity, warmup=1)
+    _train(rank, world_size, hook)
+    return {"log": memory.log, "counts": compressor.counts, "history": list(hook.history), "buckets": hook.calls}
+
+
+@pytest.mark.parametrize(("world_size", "granularity"), [(2, "layer"), (3, "layer"), (3, "bucket")])
+def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(world_size: int, granularity: str) -> None:
+    for r in run_ranks(_ef_bookkeeping, world_size, granularity):
+        assert r["log"], "the compressed path never ran"
+        names = {e["name"] for e in r["log"]}
+        assert names == {"0.weight", "2.weight"}  # biases (64, 4 elements) stay dense
+        for e in r["log"]:
+            old = torch.zeros_like(e["grad"]) if e["old"] is None else e["old"]
+            assert torch.equal(e["acc"], e["grad"] + old)
+            assert torch.equal(e["sent"] + e["new"], e["grad"] + old)
+        for numel, k in r["counts"]:
+            assert k == k_for(numel, 0.05)
+        if granularity == "bucket":
+            assert all(numel in (2048, 256, 2304) for numel, _ in r["counts"])
+        history = r["history"]
+        assert len(history) == STEPS and not history[0].compressed and all(s.compressed for s in history[1:])
+        assert history[-1].buckets == 2  # rebuilt buckets (1296 and 8192 bytes): each went through the hook
+        for s in history[1:]:
+            assert s.numel_compressed == 2048 + 256
+            assert s.bytes_sent < s.dense_bytes / 3
+
+
+def _density_one_vs_dense(rank: int, world_size: int) -> dict:
+    plain = _train(rank, world_size, None)
+    full = _train(rank, world_size, _make_hook(TopKCompressor(1.0), ErrorFeedback(), "layer"))
+    return {"plain": plain.state_dict(), "full": full.state_dict()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_topk_at_density_one_trains_like_dense_ddp(world_size: int) -> None:
+    for r in run_ranks(_density_one_vs_dense, world_size):
+        for name, value in r["plain"].items():
+            # same sums in another order (gathered then added vs ring allreduce): equal to rounding
+            torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def _no_memory_topk(rank: int, world_size: int) -> dict:
+    hook = _make_hook(TopKCompressor(0.1), NoMemory(), "layer", aggregator="allreduce")
+    model = _train(rank, world_size, hook)
+    return {"weights": model.state_dict(), "history": list(hook.history)}
+
+
+def test_allreduce_aggregator_with_sparse_payloads_keeps_ranks_in_sync() -> None:
+    results = run_ranks(_no_memory_topk, 2)
+    for name, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][name], value)
+    for s in results[0]["history"]:
+        assert s.bytes_sent == s.dense_bytes  # decompressed, then a dense allreduce: no bytes saved

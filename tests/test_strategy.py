@@ -1,0 +1,66 @@
+"""GradCompStrategy construction: bad input is refused up front, names are registered."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"compressor": "terngrad2"},
+            r"compressor must be one of \['none', 'topk'\] or a Compressor instance, got 'terngrad2'",
+        ),
+        ({"memory": "residual"}, r"memory must be one of \['ef', 'none'\], got 'residual'"),
+        ({"aggregator": "ring"}, r"aggregator must be one of \['allgather', 'allreduce', 'auto'\], got 'ring'"),
+        ({"granularity": "model"}, r"granularity must be one of \['layer', 'bucket'\], got 'model'"),
+        ({"density": 0.0}, r"density must be a number in \(0, 1\], got 0.0"),
+        ({"density": -1}, r"density must be a number in \(0, 1\], got -1"),
+        ({"density": 1.5}, r"density must be a number in \(0, 1\], got 1.5"),
+        ({"warmup_steps": -1}, r"warmup_steps must be an integer >= 0, got -1"),
+        ({"warmup_steps": 1.5}, r"warmup_steps must be an integer >= 0, got 1.5"),
+        ({"min_compress_numel": -3}, r"min_compress_numel must be an integer >= 0, got -3"),
+        ({"compressor": "none", "density": 0.1}, r"compressor 'none' does not take the arguments \['density'\]"),
+        ({"compressor": TopKCompressor(), "density": 0.1}, r"set them on the instance"),
+        ({"ddp_comm_hook": print}, r"installs its own communication hook; do not pass \['ddp_comm_hook'\]"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_argument_and_choices(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GradCompStrategy(**kwargs)
+
+
+def test_good_arguments_are_kept_and_ddp_keywords_pass_through() -> None:
+    strategy = GradCompStrategy(
+        compressor="topk",
+        density=0.01,
+        aggregator="auto",
+        bucket_cap_mb=5,
+        find_unused_parameters=True,
+        timeout=timedelta(seconds=30),
+        start_method="spawn",
+    )
+    assert isinstance(strategy, DDPStrategy)
+    assert isinstance(strategy.compressor, TopKCompressor) and strategy.compressor.density == 0.01
+    assert strategy.aggregator_name == "allgather"  # auto: sparse payloads are gathered
+    assert strategy._ddp_kwargs == {"bucket_cap_mb": 5, "find_unused_parameters": True}
+    assert strategy._timeout == timedelta(seconds=30) and strategy._start_method == "spawn"
+    assert GradCompStrategy(compressor="none").aggregator_name == "allreduce"
+    instance = TopKCompressor(0.2)
+    assert GradCompStrategy(compressor=instance).compressor is instance
+
+
+def test_named_strategies_are_registered_with_lightning() -> None:
+    assert {"ddp_gradcomp", "ddp_topk", "ddp_gradcomp_dense"} <= set(StrategyRegistry)
+    for name, (_, params) in NAMED_STRATEGIES.items():
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, GradCompStrategy)
+        assert strategy.compressor.name == params["compressor"]
+        assert strategy.memory.name == params["memory"]
+        assert strategy.aggregator_name == params["aggregator"]
