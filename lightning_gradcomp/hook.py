@@ -6,9 +6,12 @@ For each gradient bucket DDP hands over, :class:`GradCompHook`
    compressed parameters of the bucket (``"bucket"``); parameters smaller than
    ``min_compress_numel`` form one dense unit that is averaged exactly;
 2. asks the memory for the tensor to compress (``grad + residual`` under error feedback);
-3. compresses each unit, then aggregates all units of the bucket in one go (one collective,
-   plus a size exchange when sizes vary);
-4. hands the memory what was sent, and writes the averaged gradient back into the bucket.
+3. compresses each unit (a one-parameter unit in the parameter's shape), after agreeing on
+   shared scales with one MAX allreduce when the compressor asks for them;
+4. aggregates all units of the bucket in one go (one collective, plus a size exchange when
+   sizes vary across ranks);
+5. asks the memory for the gradient estimate (``reconstruct``) and hands it what was sent
+   (``update``), then writes the averaged gradient back into the bucket.
 
 During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does.
 The hook records a :class:`StepStats` per optimizer step for the callbacks; nothing else flows
@@ -72,6 +75,7 @@ class _Unit:
     names: tuple[str, ...]
     numels: tuple[int, ...]
     compressed: bool
+    shape: torch.Size  # the parameter's shape for a one-parameter unit, else the flat length
 
 
 @dataclass
@@ -178,20 +182,24 @@ class GradCompHook:
 
         start = time.perf_counter()
         inputs: list[list[Tensor]] = []
-        contributions = []
+        tensors: list[Tensor] = []
         for unit in plan.units:
             if unit.compressed:
                 parts = [self.memory.compensate(n, grads[p]) for n, p in zip(unit.names, unit.positions, strict=True)]
-                x = parts[0] if len(parts) == 1 else torch.cat(parts)
-                payload = self.compressor.compress(x, self.generator(x.device))
+            else:
+                parts = [grads[p] for p in unit.positions]
+            inputs.append(parts)
+            tensors.append(parts[0].view(unit.shape) if len(parts) == 1 else torch.cat(parts))
+        scales = self._shared_scales(plan, tensors)
+        contributions = []
+        for unit, x in zip(plan.units, tensors, strict=True):
+            if unit.compressed:
+                payload = self.compressor.compress(x, self.generator(x.device), scales.pop(0) if scales else None)
                 contributions.append(Contribution(self.compressor, payload))
                 stats.numel_compressed += x.numel()
                 stats.payload_bytes += payload.nbytes
             else:
-                parts = [grads[p] for p in unit.positions]
-                x = parts[0] if len(parts) == 1 else torch.cat(parts)
                 contributions.append(Contribution(self._dense, self._dense.compress(x)))
-            inputs.append(parts)
         compressed_at = time.perf_counter()
         comm_before = self.counter.seconds
 
@@ -201,9 +209,10 @@ class GradCompHook:
             means = agg.mean.split(unit.numels)
             if unit.compressed:
                 sents = agg.sent.split(unit.numels)
+                outputs = [self.memory.reconstruct(n, m) for n, m in zip(unit.names, means, strict=True)]
                 for name, part, sent, mean in zip(unit.names, parts, sents, means, strict=True):
                     self.memory.update(name, part, sent, mean)
-                means = [self.memory.reconstruct(n, m) for n, m in zip(unit.names, means, strict=True)]
+                means = outputs
             for position, mean in zip(unit.positions, means, strict=True):
                 grads[position].copy_(mean)
         done = time.perf_counter()
@@ -211,6 +220,17 @@ class GradCompHook:
         stats.seconds_compress += compressed_at - start
         stats.seconds_communicate += communicate
         stats.seconds_decompress += done - compressed_at - communicate
+
+    def _shared_scales(self, plan: _BucketPlan, tensors: list[Tensor]) -> list[Tensor]:
+        """The MAX over ranks of each compressed unit's local scale: one small collective per bucket."""
+        if not self.compressor.shares_scale:
+            return []
+        local = [self.compressor.local_scale(x) for unit, x in zip(plan.units, tensors, strict=True) if unit.compressed]
+        if not local:
+            return []
+        stacked = torch.stack([scale.float() for scale in local])
+        self.collectives.all_reduce_(stacked, op=dist.ReduceOp.MAX)
+        return list(stacked.unbind())
 
     def _plan(self, params: list[Tensor]) -> _BucketPlan:
         key = tuple(id(p) for p in params)
@@ -243,6 +263,9 @@ class GradCompHook:
                         names=tuple(names[i] for i in positions),
                         numels=tuple(params[i].numel() for i in positions),
                         compressed=flag,
+                        shape=params[positions[0]].shape
+                        if len(positions) == 1
+                        else torch.Size([sum(params[i].numel() for i in positions)]),
                     )
                 )
         self._plans[key] = plan

@@ -3,9 +3,10 @@
 The hook calls, for each compressed parameter ``name`` and step:
 
 1. ``x = memory.compensate(name, grad)``: the tensor handed to the compressor;
-2. ``memory.update(name, x, sent, mean)``: after aggregation, with ``sent`` the dense form of
-   what of this rank's payload reached the global result and ``mean`` the averaged result;
-3. ``memory.reconstruct(name, mean)``: the gradient the optimizer sees.
+2. ``memory.reconstruct(name, mean)``: after aggregation, the gradient the optimizer sees, from
+   the averaged result ``mean`` and the state as it was before this step;
+3. ``memory.update(name, x, sent, mean)``: then the state moves on, with ``sent`` the dense form
+   of what of this rank's payload reached the global result.
 
 State is keyed by parameter name because DDP rebuilds its buckets after the first iteration.
 """

@@ -49,8 +49,8 @@ class GradCompStrategy(DDPStrategy):
     Args:
         compressor: a registry name (``"none"``, ``"topk"``) or a :class:`Compressor` instance.
         memory: ``"none"`` or ``"ef"`` (error feedback).
-        aggregator: ``"allreduce"``, ``"allgather"``, or ``"auto"`` (allgather for sparse
-            compressors, allreduce otherwise).
+        aggregator: ``"allreduce"``, ``"allgather"``, or ``"auto"`` (the compressor's choice for
+            the world size: allgather for sparse payloads, allreduce otherwise by default).
         granularity: ``"layer"`` compresses each parameter on its own; ``"bucket"`` compresses all
             of a DDP bucket's compressed parameters as one vector (the gTop-k authors' setting).
         density: fraction of entries kept by sparsifying compressors, in (0, 1]; only with a name.
@@ -95,9 +95,7 @@ class GradCompStrategy(DDPStrategy):
         self.compressor = build_compressor(compressor, **compressor_args)
         if not isinstance(memory, str) or memory not in MEMORIES:
             raise ValueError(f"memory must be one of {sorted(MEMORIES)}, got {memory!r}")
-        if aggregator == "auto":
-            aggregator = "allgather" if self.compressor.sparse else "allreduce"
-        if not isinstance(aggregator, str) or aggregator not in AGGREGATORS:
+        if not isinstance(aggregator, str) or (aggregator not in AGGREGATORS and aggregator != "auto"):
             raise ValueError(f"aggregator must be one of {[*sorted(AGGREGATORS), 'auto']}, got {aggregator!r}")
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
@@ -120,6 +118,12 @@ class GradCompStrategy(DDPStrategy):
             **kwargs,
         )
 
+    def resolved_aggregator(self, world_size: int) -> str:
+        """The aggregator for ``world_size`` ranks: as given, or the compressor's choice for ``"auto"``."""
+        if self.aggregator_name == "auto":
+            return self.compressor.preferred_aggregator(world_size)
+        return self.aggregator_name
+
     def _register_ddp_hooks(self) -> None:
         """Attach the compression hook, whatever the device (the parent does so only on CUDA)."""
         assert isinstance(self.model, DistributedDataParallel)
@@ -127,7 +131,7 @@ class GradCompStrategy(DDPStrategy):
         self.gradcomp_hook = GradCompHook(
             compressor=self.compressor,
             memory=self.memory,
-            aggregator=self.aggregator_name,
+            aggregator=self.resolved_aggregator(self.world_size),
             param_names=names,
             granularity=self.granularity,
             warmup_steps=self.warmup_steps,

@@ -110,7 +110,7 @@ def test_fixed_size_payloads_skip_the_size_exchange_and_match_allreduce(world_si
             torch.testing.assert_close(r["gathered"][i], r["reduced"][i], rtol=1e-6, atol=1e-7)
     dense_mean = sum(r["xs"][1] for r in results) / world_size
     torch.testing.assert_close(results[0]["gathered"][1], dense_mean, rtol=1e-6, atol=1e-7)
-    sparse_bytes = sum(topk.payload_nbytes(n, torch.float32) for n in (NUMELS[0], NUMELS[2]))
+    sparse_bytes = sum(topk.payload_nbytes(torch.Size([n]), torch.float32) for n in (NUMELS[0], NUMELS[2]))
     for r in results:
         assert r["counts"] == (2, 37 * 4 + sparse_bytes)  # dense allreduce + one gather, no size exchange
         assert r["reduced_counts"] == (1, 4 * sum(NUMELS))

@@ -51,25 +51,25 @@ def test_sparse_wire_round_trip_is_exact(dtype: torch.dtype, numel: int) -> None
     compressor = TopKCompressor(0.3)
     payload = compressor.compress(x)
     wire = payload.to_bytes()
-    assert wire.dtype == torch.uint8 and wire.numel() == payload.nbytes == compressor.payload_nbytes(numel, dtype)
+    assert wire.dtype == torch.uint8 and wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, dtype)
     assert payload.nbytes == payload.k * (4 + x.element_size())
     # parse from an odd offset inside a bigger buffer: parts are misaligned and must still read back
     shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), wire])[3:]
-    back = compressor.unpack(shifted, numel, dtype)
+    back = compressor.unpack(shifted, x.shape, dtype)
     assert torch.equal(back.indices, payload.indices.long()) and torch.equal(back.values, payload.values)
     assert torch.equal(compressor.decompress(back), compressor.decompress(payload))
 
 
 def test_empty_sparse_payload_round_trips() -> None:
-    payload = SparsePayload(torch.empty(0, dtype=torch.int64), torch.empty(0), 50)
+    payload = SparsePayload(torch.empty(0, dtype=torch.int64), torch.empty(0), torch.Size([50]))
     assert payload.nbytes == 0 and payload.to_bytes().numel() == 0
-    back = SparsePayload.from_bytes(payload.to_bytes(), 50, torch.float32)
+    back = SparsePayload.from_bytes(payload.to_bytes(), torch.Size([50]), torch.float32)
     assert back.k == 0 and torch.equal(back.accumulate(torch.zeros(50)), torch.zeros(50))
 
 
 def test_truncated_or_ragged_bytes_are_rejected() -> None:
     with pytest.raises(ValueError, match="not a whole number"):
-        SparsePayload.from_bytes(torch.zeros(7, dtype=torch.uint8), 10, torch.float32)
+        SparsePayload.from_bytes(torch.zeros(7, dtype=torch.uint8), torch.Size([10]), torch.float32)
     with pytest.raises(ValueError, match="truncated"):
         ByteReader(torch.zeros(3, dtype=torch.uint8)).take(1, torch.float32)
 
@@ -78,8 +78,8 @@ def test_identity_round_trip_and_bytes() -> None:
     x = torch.randn(13).to(torch.bfloat16)
     compressor = IdentityCompressor()
     payload = compressor.compress(x)
-    assert payload.nbytes == 26 == compressor.payload_nbytes(13, torch.bfloat16)
-    assert torch.equal(compressor.unpack(payload.to_bytes(), 13, torch.bfloat16).values, x)
+    assert payload.nbytes == 26 == compressor.payload_nbytes(x.shape, torch.bfloat16)
+    assert torch.equal(compressor.unpack(payload.to_bytes(), x.shape, torch.bfloat16).values, x)
     assert to_bytes([]).numel() == 0
 
 

@@ -43,8 +43,8 @@ class CountingTopK(TopKCompressor):
         super().__init__(density)
         self.counts: list[tuple[int, int]] = []
 
-    def compress(self, x: torch.Tensor, generator: torch.Generator | None = None):
-        payload = super().compress(x, generator)
+    def compress(self, x: torch.Tensor, generator: torch.Generator | None = None, scale: torch.Tensor | None = None):
+        payload = super().compress(x, generator, scale)
         self.counts.append((x.numel(), payload.k))
         return payload
 

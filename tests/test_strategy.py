@@ -48,10 +48,10 @@ def test_good_arguments_are_kept_and_ddp_keywords_pass_through() -> None:
     )
     assert isinstance(strategy, DDPStrategy)
     assert isinstance(strategy.compressor, TopKCompressor) and strategy.compressor.density == 0.01
-    assert strategy.aggregator_name == "allgather"  # auto: sparse payloads are gathered
+    assert strategy.resolved_aggregator(4) == "allgather"  # auto: sparse payloads are gathered
     assert strategy._ddp_kwargs == {"bucket_cap_mb": 5, "find_unused_parameters": True}
     assert strategy._timeout == timedelta(seconds=30) and strategy._start_method == "spawn"
-    assert GradCompStrategy(compressor="none").aggregator_name == "allreduce"
+    assert GradCompStrategy(compressor="none").resolved_aggregator(4) == "allreduce"
     instance = TopKCompressor(0.2)
     assert GradCompStrategy(compressor=instance).compressor is instance
 

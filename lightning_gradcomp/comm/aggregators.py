@@ -50,23 +50,29 @@ class Aggregator(ABC):
 
 
 class AllreduceAggregator(Aggregator):
-    """Decompress locally, then one dense sum-allreduce of all contributions together.
+    """Sum every contribution's summable form with one allreduce per dtype, then decode the average.
 
-    Each rank pre-scales by ``1/P`` before the sum, as DDP's built-in reducer does, so the
-    identity compressor reproduces plain DDP bit for bit.
+    By default the summable form is the decompressed tensor pre-scaled by ``1/P`` (as DDP's
+    reducer does, so the identity compressor reproduces plain DDP bit for bit); compressors with
+    integer codes (TernGrad with a shared scale) sum those instead.
     """
 
     name = "allreduce"
 
     def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
-        if not contributions:
-            return []
-        sent = [c.codec.decompress(c.payload) for c in contributions]
-        flat = torch.cat(sent)
-        flat.mul_(1.0 / collectives.world_size)
-        collectives.all_reduce_(flat)
-        means = flat.split([s.numel() for s in sent])
-        return [Aggregate(mean, s) for mean, s in zip(means, sent, strict=True)]
+        world = collectives.world_size
+        summands = [c.codec.summable(c.payload, world) for c in contributions]
+        totals: list[Tensor | None] = [None] * len(contributions)
+        for dtype in dict.fromkeys(t.dtype for t in summands):
+            positions = [i for i, t in enumerate(summands) if t.dtype == dtype]
+            flat = torch.cat([summands[i] for i in positions])
+            collectives.all_reduce_(flat)
+            for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
+                totals[i] = total
+        return [
+            Aggregate(c.codec.from_sum(total, c.payload, world), c.codec.decompress(c.payload))
+            for c, total in zip(contributions, totals, strict=True)
+        ]
 
 
 class AllgatherAggregator(Aggregator):
@@ -96,7 +102,7 @@ class AllgatherAggregator(Aggregator):
         world, rank = collectives.world_size, collectives.rank
         buffers = [c.payload.to_bytes() for c in contributions]
         local = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
-        fixed = [c.codec.payload_nbytes(c.payload.numel, c.payload.dtype) for c in contributions]
+        fixed = [c.codec.payload_nbytes(c.payload.shape, c.payload.dtype) for c in contributions]
         if all(size is not None for size in fixed):
             if fixed != [b.numel() for b in buffers]:
                 raise RuntimeError(f"payload sizes {[b.numel() for b in buffers]} differ from the declared {fixed}")
@@ -109,14 +115,14 @@ class AllgatherAggregator(Aggregator):
         results = []
         offsets = [0] * world
         for i, c in enumerate(contributions):
-            numel, dtype = c.payload.numel, c.payload.dtype
-            total = torch.zeros(numel, dtype=dtype, device=local.device)
+            shape, dtype = c.payload.shape, c.payload.dtype
+            total = torch.zeros(shape.numel(), dtype=dtype, device=local.device)
             for r in range(world):
                 size = unit_sizes[r][i]
                 if r == rank:
                     payload = c.payload
                 else:
-                    payload = c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], numel, dtype)
+                    payload = c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype)
                 offsets[r] += size
                 c.codec.accumulate(payload, total)
             results.append(Aggregate(total.div_(world), c.codec.decompress(c.payload)))

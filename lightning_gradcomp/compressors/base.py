@@ -1,9 +1,16 @@
 """The compressor contract: pure tensor math, no collectives, no Lightning.
 
-A compressor turns a flat gradient into a :class:`Payload` and back. Payloads serialise to one
-uint8 tensor (:meth:`Payload.to_bytes`) whose size is exactly what goes on the wire, and the
-compressor parses such bytes back (:meth:`Compressor.unpack`) knowing only the element count and
-dtype, which every rank knows for every layer.
+A compressor turns a gradient into a :class:`Payload` and back. Payloads serialise to one uint8
+tensor (:meth:`Payload.to_bytes`) whose size is exactly what goes on the wire, and the compressor
+parses such bytes back (:meth:`Compressor.unpack`) knowing only the tensor's shape and dtype,
+which every rank knows for every layer.
+
+Two optional capabilities serve the allreduce aggregator:
+
+* a *summable* form (:meth:`Compressor.summable` / :meth:`Compressor.from_sum`): a tensor whose
+  elementwise sum over ranks decodes to the average (ternary codes summed as integers);
+* a *shared scale* (:attr:`Compressor.shares_scale`, :meth:`Compressor.local_scale`): every rank
+  compresses with the MAX over ranks of a per-tensor scale, agreed on in one small collective.
 """
 
 from __future__ import annotations
@@ -16,11 +23,16 @@ from torch import Tensor
 
 
 class Payload(ABC):
-    """What one rank sends for one flat tensor of ``numel`` elements."""
+    """What one rank sends for one tensor of ``shape``."""
 
-    numel: int
+    shape: torch.Size
     dtype: torch.dtype
     device: torch.device
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor the payload stands for."""
+        return self.shape.numel()
 
     @abstractmethod
     def to_bytes(self) -> Tensor:
@@ -33,12 +45,13 @@ class Payload(ABC):
 
 
 class Compressor(ABC):
-    """Compresses flat gradients; subclasses validate their hyper-parameters in ``__init__``.
+    """Compresses gradients; subclasses validate their hyper-parameters in ``__init__``.
 
     Attributes:
         name: the registry name (``compressor="topk"``).
         unbiased: whether ``E[decompress(compress(x))] == x``.
-        sparse: whether payloads are (indices, values) pairs that sparse aggregators can merge.
+        sparse: whether payloads are :class:`~lightning_gradcomp.compressors.SparsePayload`,
+            which sparse aggregators (gTop-k) can merge.
     """
 
     name: ClassVar[str]
@@ -46,18 +59,22 @@ class Compressor(ABC):
     sparse: ClassVar[bool] = False
 
     @abstractmethod
-    def compress(self, x: Tensor, generator: torch.Generator | None = None) -> Payload:
-        """Compress the flat tensor ``x``; ``generator`` drives any randomness (one per rank)."""
+    def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
+        """Compress ``x`` (a parameter's gradient in its own shape, or a flat vector).
+
+        ``generator`` drives any randomness (one per rank); ``scale`` is the shared scale when
+        :attr:`shares_scale` is set, else ``None``.
+        """
 
     @abstractmethod
-    def unpack(self, buffer: Tensor, numel: int, dtype: torch.dtype) -> Payload:
-        """Parse the bytes another rank sent for a tensor of ``numel`` elements of ``dtype``."""
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        """Parse the bytes another rank sent for a tensor of ``shape`` and ``dtype``."""
 
     @abstractmethod
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         """Add the decompressed payload into the flat tensor ``out`` in place and return it."""
 
-    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int | None:
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int | None:
         """Wire size of any payload for this input, when it depends on nothing else; else ``None``.
 
         A fixed size lets the allgather skip the exchange of sizes (one collective fewer).
@@ -67,6 +84,33 @@ class Compressor(ABC):
     def decompress(self, payload: Payload) -> Tensor:
         """The dense flat tensor the payload stands for."""
         return self.accumulate(payload, torch.zeros(payload.numel, dtype=payload.dtype, device=payload.device))
+
+    def preferred_aggregator(self, world_size: int) -> str:
+        """The aggregator ``aggregator="auto"`` picks for ``world_size`` ranks: the one moving fewer bytes.
+
+        Default: ``"allgather"`` for sparse payloads, ``"allreduce"`` otherwise.
+        """
+        return "allgather" if self.sparse else "allreduce"
+
+    @property
+    def shares_scale(self) -> bool:
+        """Whether :meth:`compress` wants the MAX over ranks of :meth:`local_scale` as ``scale``."""
+        return False
+
+    def local_scale(self, x: Tensor) -> Tensor:
+        """This rank's scale for ``x`` (a 0-dim float32 tensor); only called when :attr:`shares_scale`."""
+        raise NotImplementedError(f"{type(self).__name__} does not share a scale")
+
+    def summable(self, payload: Payload, world_size: int) -> Tensor:
+        """A flat tensor whose sum over ranks :meth:`from_sum` turns into the average.
+
+        Default: the dense decompressed tensor pre-scaled by ``1/P``, as DDP's reducer does.
+        """
+        return self.decompress(payload) * (1.0 / world_size)
+
+    def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
+        """The average over ranks (flat, in the payload's dtype) from the summed :meth:`summable`."""
+        return total
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

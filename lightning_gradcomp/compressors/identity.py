@@ -16,10 +16,7 @@ class DensePayload(Payload):
     """The tensor itself."""
 
     values: Tensor
-
-    @property
-    def numel(self) -> int:  # type: ignore[override]
-        return self.values.numel()
+    shape: torch.Size
 
     @property
     def dtype(self) -> torch.dtype:  # type: ignore[override]
@@ -43,11 +40,13 @@ class IdentityCompressor(Compressor):
     name = "none"
     unbiased = True
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None) -> DensePayload:
-        return DensePayload(x.reshape(-1))
+    def compress(
+        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+    ) -> DensePayload:
+        return DensePayload(x.reshape(-1), x.shape)
 
-    def unpack(self, buffer: Tensor, numel: int, dtype: torch.dtype) -> DensePayload:
-        return DensePayload(ByteReader(buffer).take(numel, dtype))
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> DensePayload:
+        return DensePayload(ByteReader(buffer).take(shape.numel(), dtype), shape)
 
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         assert isinstance(payload, DensePayload)
@@ -57,5 +56,9 @@ class IdentityCompressor(Compressor):
         assert isinstance(payload, DensePayload)
         return payload.values
 
-    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
-        return numel * torch.empty(0, dtype=dtype).element_size()
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        return shape.numel() * torch.empty(0, dtype=dtype).element_size()
+
+    def summable(self, payload: Payload, world_size: int) -> Tensor:
+        assert isinstance(payload, DensePayload)
+        return payload.values * (1.0 / world_size)

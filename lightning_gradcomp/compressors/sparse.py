@@ -25,7 +25,7 @@ def itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class SparsePayload(Payload):
-    """``k`` entries of a flat tensor of ``numel`` elements; absent entries are zero.
+    """``k`` entries of a tensor of ``shape`` (flat indices); absent entries are zero.
 
     Wire form: the indices (int32 below 2**31 elements, else int64), then the values in the
     gradient's dtype: ``k * (4 + itemsize)`` bytes for the usual case.
@@ -33,7 +33,7 @@ class SparsePayload(Payload):
 
     indices: Tensor
     values: Tensor
-    numel: int
+    shape: torch.Size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,8 +56,9 @@ class SparsePayload(Payload):
         return to_bytes([self.indices.to(index_dtype(self.numel)), self.values])
 
     @classmethod
-    def from_bytes(cls, buffer: Tensor, numel: int, dtype: torch.dtype) -> SparsePayload:
+    def from_bytes(cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
         """Parse the wire form; the entry count follows from the buffer's length."""
+        numel = shape.numel()
         per_entry = itemsize(index_dtype(numel)) + itemsize(dtype)
         if buffer.numel() % per_entry:
             raise ValueError(
@@ -67,7 +68,7 @@ class SparsePayload(Payload):
         reader = ByteReader(buffer)
         indices = reader.take(k, index_dtype(numel)).long()
         values = reader.take(k, dtype)
-        return cls(indices, values, numel)
+        return cls(indices, values, shape)
 
     def accumulate(self, out: Tensor) -> Tensor:
         """Add the entries into the flat dense tensor ``out`` (in place)."""

@@ -46,17 +46,20 @@ class TopKCompressor(Compressor):
         k = k_for(x.numel(), self.density)
         return torch.topk(x.abs(), k, sorted=False).indices
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None) -> SparsePayload:
+    def compress(
+        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+    ) -> SparsePayload:
         flat = x.reshape(-1)
         indices = self.select(flat)
-        return SparsePayload(indices, flat[indices], flat.numel())
+        return SparsePayload(indices, flat[indices], x.shape)
 
-    def unpack(self, buffer: Tensor, numel: int, dtype: torch.dtype) -> SparsePayload:
-        return SparsePayload.from_bytes(buffer, numel, dtype)
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
+        return SparsePayload.from_bytes(buffer, shape, dtype)
 
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         assert isinstance(payload, SparsePayload)
         return payload.accumulate(out)
 
-    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        numel = shape.numel()
         return k_for(numel, self.density) * (itemsize(index_dtype(numel)) + itemsize(dtype))
