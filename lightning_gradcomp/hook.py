@@ -94,6 +94,7 @@ class GradCompHook:
         granularity: ``"layer"`` (one unit per parameter) or ``"bucket"`` (one per bucket).
         warmup_steps: steps averaged densely, as DDP would, before compression starts.
         min_compress_numel: parameters with fewer elements are averaged densely.
+        dense_names: names of further parameters averaged densely (e.g. the logits layer).
         seed: base seed of the compressor's generator; rank ``r`` uses ``seed * 65537 + r``.
         group: the process group (default: the world).
         history: how many :class:`StepStats` to keep.
@@ -108,6 +109,7 @@ class GradCompHook:
         granularity: str = "layer",
         warmup_steps: int = 1,
         min_compress_numel: int = 1024,
+        dense_names: frozenset[str] = frozenset(),
         seed: int = 0,
         group: dist.ProcessGroup | None = None,
         history: int = 10_000,
@@ -125,6 +127,7 @@ class GradCompHook:
         self.granularity = granularity
         self.warmup_steps = warmup_steps
         self.min_compress_numel = min_compress_numel
+        self.dense_names = dense_names
         self.seed = seed
         self.counter = CommCounter()
         self.collectives = Collectives(group, self.counter)
@@ -153,6 +156,20 @@ class GradCompHook:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed * 65537 + self.rank)
         return self._generators[device]
+
+    def state_dict(self) -> dict:
+        """What must survive a restart besides the memory: the step counter and the generators' states."""
+        return {
+            "step": self.step,
+            "generators": {str(device): gen.get_state() for device, gen in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (generators are recreated on their devices)."""
+        self.step = int(state["step"])
+        self._generators = {}
+        for device, gen_state in state["generators"].items():
+            self.generator(torch.device(device)).set_state(gen_state)
 
     def __call__(self, bucket: dist.GradBucket) -> Tensor:
         """Average ``bucket`` across ranks (compressed after the warm-up); returns the bucket's buffer."""
@@ -242,7 +259,10 @@ class GradCompHook:
             if id(p) not in self.param_names:
                 raise RuntimeError("a bucket holds a parameter that is not in the module given to the hook")
             names.append(self.param_names[id(p)])
-        flags = [p.numel() >= self.min_compress_numel and p.is_floating_point() for p in params]
+        flags = [
+            p.numel() >= self.min_compress_numel and p.is_floating_point() and name not in self.dense_names
+            for p, name in zip(params, names, strict=True)
+        ]
         if self.granularity == "layer":
             # Bucket order, consecutive dense parameters merged: the concatenated units then have
             # the bucket's layout, so a dense allreduce sums every element as DDP's would.

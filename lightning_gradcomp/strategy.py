@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -12,12 +14,17 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.compressors import Compressor, build_compressor
+from lightning_gradcomp.compressors.topk import validate_density
 from lightning_gradcomp.hook import GRANULARITIES, GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import MEMORIES, Memory, build_memory
+from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
+
+#: Where the strategy keeps every rank's compression state in a Lightning checkpoint.
+CHECKPOINT_KEY = "gradcomp"
 
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -48,17 +55,30 @@ class GradCompStrategy(DDPStrategy):
 
     Args:
         compressor: a registry name (``"none"``, ``"topk"``) or a :class:`Compressor` instance.
-        memory: ``"none"`` or ``"ef"`` (error feedback).
+        memory: ``"none"``, ``"ef"`` (error feedback) or ``"diana"`` (compressed gradient
+            differences; needs an unbiased compressor).
+        memory_kwargs: arguments of the memory, e.g. ``{"alpha": 0.5}`` for DIANA (default
+            ``1 / (omega + 1)`` from the quantizer's variance bound).
         aggregator: ``"allreduce"``, ``"allgather"``, or ``"auto"`` (the compressor's choice for
             the world size: allgather for sparse payloads, allreduce otherwise by default).
         granularity: ``"layer"`` compresses each parameter on its own; ``"bucket"`` compresses all
             of a DDP bucket's compressed parameters as one vector (the gTop-k authors' setting).
         density: fraction of entries kept by sparsifying compressors, in (0, 1]; only with a name.
+        density_schedule: densities by epoch, the last one kept for later epochs (the authors'
+            warm-up: ``[0.004, 0.001]`` for Top-k, ``[1/64, 0.004, 0.001]`` for Gaussian_k).
         warmup_steps: optimizer steps averaged densely before compression starts (DDP rebuilds its
             buckets after the first one; state is keyed by parameter name, so 0 is allowed).
         min_compress_numel: parameters with fewer elements (biases, norms) are averaged densely.
         seed: base seed of the compressors' random generators (distinct per rank).
         compressor_kwargs: further arguments for a compressor given by name.
+        dense_parameters: ``fnmatch`` patterns of parameter names averaged densely, uncompressed
+            (each must match a parameter of the model, checked at setup).
+        keep_last_layer_dense: average the last layer's parameters (the module holding the last
+            registered parameter, usually the logits layer) densely, as the TernGrad authors did.
+        on_world_size_change: resuming from a checkpoint written by a different number of ranks
+            raises a ``ValueError`` naming both sizes (``"error"``), or starts the compression state
+            afresh with a warning (``"reset"``): residuals and shifts are per rank and cannot be split
+            or merged without changing the run.
         **kwargs: every other :class:`DDPStrategy` argument (``timeout``, ``start_method``, ...)
             and ``DistributedDataParallel`` keyword (``bucket_cap_mb``, ``find_unused_parameters``, ...).
     """
@@ -69,13 +89,18 @@ class GradCompStrategy(DDPStrategy):
         self,
         compressor: str | Compressor = "topk",
         memory: str = "ef",
+        memory_kwargs: dict[str, Any] | None = None,
         aggregator: str = "auto",
         granularity: Literal["layer", "bucket"] = "layer",
         density: float | None = None,
+        density_schedule: Sequence[float] | None = None,
         warmup_steps: int = 1,
         min_compress_numel: int = 1024,
         seed: int = 0,
         compressor_kwargs: dict[str, Any] | None = None,
+        dense_parameters: Sequence[str] = (),
+        keep_last_layer_dense: bool = False,
+        on_world_size_change: Literal["error", "reset"] = "error",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -95,6 +120,17 @@ class GradCompStrategy(DDPStrategy):
         self.compressor = build_compressor(compressor, **compressor_args)
         if not isinstance(memory, str) or memory not in MEMORIES:
             raise ValueError(f"memory must be one of {sorted(MEMORIES)}, got {memory!r}")
+        memory_args = dict(memory_kwargs or {})
+        if memory == Diana.name:
+            if not self.compressor.unbiased:
+                raise ValueError(f"memory='diana' needs an unbiased compressor, got {self.compressor!r}")
+            if memory_args.get("alpha") is None:
+                if not callable(getattr(self.compressor, "omega", None)):
+                    raise ValueError(
+                        f"memory='diana' without memory_kwargs={{'alpha': ...}} needs a compressor with a variance "
+                        f"bound omega(numel), and {self.compressor!r} has none"
+                    )
+                memory_args["variance_bound"] = self.compressor.omega
         if not isinstance(aggregator, str) or (aggregator not in AGGREGATORS and aggregator != "auto"):
             raise ValueError(f"aggregator must be one of {[*sorted(AGGREGATORS), 'auto']}, got {aggregator!r}")
         if granularity not in GRANULARITIES:
@@ -102,9 +138,20 @@ class GradCompStrategy(DDPStrategy):
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 0)
         self.seed = _check_int("seed", seed, 0)
+        self.density_schedule = self._check_schedule(density_schedule)
+        if isinstance(dense_parameters, str) or not all(isinstance(p, str) for p in dense_parameters):
+            raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
+        if not isinstance(keep_last_layer_dense, bool):
+            raise ValueError(f"keep_last_layer_dense must be True or False, got {keep_last_layer_dense!r}")
+        if on_world_size_change not in ("error", "reset"):
+            raise ValueError(f"on_world_size_change must be 'error' or 'reset', got {on_world_size_change!r}")
+        self.on_world_size_change = on_world_size_change
+        self._pending_hook_state: dict | None = None
+        self.dense_parameters = tuple(dense_parameters)
+        self.keep_last_layer_dense = keep_last_layer_dense
         self.aggregator_name = aggregator
         self.granularity = granularity
-        self.memory: Memory = build_memory(memory)
+        self.memory: Memory = build_memory(memory, **memory_args)
         self.gradcomp_hook: GradCompHook | None = None
         super().__init__(
             accelerator=accelerator,
@@ -118,6 +165,45 @@ class GradCompStrategy(DDPStrategy):
             **kwargs,
         )
 
+    def _check_schedule(self, schedule: Sequence[float] | None) -> tuple[float, ...] | None:
+        if schedule is None:
+            return None
+        if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Sequence) or not schedule:
+            raise ValueError(f"density_schedule must be a non-empty list of densities in (0, 1], got {schedule!r}")
+        if not hasattr(self.compressor, "density"):
+            raise ValueError(f"density_schedule needs a compressor with a density; {self.compressor!r} has none")
+        try:
+            return tuple(validate_density(d) for d in schedule)
+        except ValueError as err:
+            raise ValueError(f"density_schedule: {err}") from None
+
+    def density_for_epoch(self, epoch: int) -> float | None:
+        """The scheduled density for ``epoch`` (``None`` without a schedule)."""
+        if self.density_schedule is None:
+            return None
+        return self.density_schedule[min(epoch, len(self.density_schedule) - 1)]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Apply the density schedule for the current epoch before the step's backward pass."""
+        super().on_train_batch_start(batch, batch_idx)
+        density = self.density_for_epoch(self.lightning_module.trainer.current_epoch)
+        if density is not None:
+            self.compressor.density = density
+
+    def dense_parameter_names(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> frozenset[str]:
+        """Names of the parameters kept dense by ``dense_parameters`` and ``keep_last_layer_dense``."""
+        names = [name for name, _ in named_parameters]
+        dense: set[str] = set()
+        for pattern in self.dense_parameters:
+            matched = fnmatch.filter(names, pattern)
+            if not matched:
+                raise ValueError(f"dense_parameters pattern {pattern!r} matches no parameter; parameters are {names}")
+            dense.update(matched)
+        if self.keep_last_layer_dense and names:
+            owner = names[-1].rpartition(".")[0]
+            dense.update(n for n in names if n.rpartition(".")[0] == owner)
+        return frozenset(dense)
+
     def resolved_aggregator(self, world_size: int) -> str:
         """The aggregator for ``world_size`` ranks: as given, or the compressor's choice for ``"auto"``."""
         if self.aggregator_name == "auto":
@@ -127,7 +213,8 @@ class GradCompStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """Attach the compression hook, whatever the device (the parent does so only on CUDA)."""
         assert isinstance(self.model, DistributedDataParallel)
-        names = {id(p): name for name, p in self.model.module.named_parameters()}
+        named = list(self.model.module.named_parameters())
+        names = {id(p): name for name, p in named}
         self.gradcomp_hook = GradCompHook(
             compressor=self.compressor,
             memory=self.memory,
@@ -136,10 +223,64 @@ class GradCompStrategy(DDPStrategy):
             granularity=self.granularity,
             warmup_steps=self.warmup_steps,
             min_compress_numel=self.min_compress_numel,
+            dense_names=self.dense_parameter_names(named),
             seed=self.seed,
             group=self.model.process_group,
         )
+        if self._pending_hook_state is not None:
+            self.gradcomp_hook.load_state_dict(self._pending_hook_state)
+            self._pending_hook_state = None
         self.model.register_comm_hook(state=self.gradcomp_hook, hook=gradcomp_comm_hook)
+
+    def compression_state(self) -> dict[str, Any]:
+        """This rank's compression state (memory, step counter, random generators), on the CPU."""
+        hook_state = self.gradcomp_hook.state_dict() if self.gradcomp_hook is not None else self._pending_hook_state
+        return {
+            "memory": self.memory.name,
+            "memory_state": {k: v.detach().cpu() for k, v in self.memory.state_dict().items()},
+            "hook": hook_state,
+        }
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Gather every rank's compression state into rank 0's checkpoint under ``"gradcomp"``, then write."""
+        states: list[Any] = [None] * self.world_size
+        local = self.compression_state()
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.gather_object(local, states if self.is_global_zero else None, dst=0)
+        else:
+            states = [local]
+        if self.is_global_zero:
+            checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": states}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint and give this rank its own compression state back (see ``on_world_size_change``)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            return checkpoint
+        if saved["world_size"] != self.world_size:
+            message = (
+                f"the checkpoint {checkpoint_path} holds compression state of {saved['world_size']} ranks, "
+                f"but this run has {self.world_size}"
+            )
+            if self.on_world_size_change == "error":
+                raise ValueError(f"{message}; pass on_world_size_change='reset' to start the state afresh")
+            rank_zero_warn(f"{message}: compression state (residuals, shifts, step counter) starts afresh")
+            return checkpoint
+        state = saved["ranks"][self.global_rank]
+        if state["memory"] != self.memory.name:
+            raise ValueError(
+                f"the checkpoint {checkpoint_path} holds {state['memory']!r} memory state, this run uses "
+                f"memory={self.memory.name!r}"
+            )
+        self.memory.load_state_dict({k: v.to(self.root_device) for k, v in state["memory_state"].items()})
+        if state["hook"] is not None:
+            if self.gradcomp_hook is not None:
+                self.gradcomp_hook.load_state_dict(state["hook"])
+            else:
+                self._pending_hook_state = state["hook"]
+        return checkpoint
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -41,6 +41,8 @@ def fit(
     steps: int,
     seed: int = 0,
     callbacks: list[pl.Callback] | None = None,
+    samples: int = 1024,
+    ckpt_path: str | None = None,
 ) -> tuple[TinyClassifier, pl.Trainer]:
     """Fit a fresh :class:`TinyClassifier` (same init on every rank) for ``steps`` steps on CPU."""
     pl.seed_everything(seed, verbose=False)
@@ -51,10 +53,10 @@ def fit(
         strategy=strategy,
         max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks or []),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(model, DataLoader(teacher_task(), batch_size=16))
+    trainer.fit(model, DataLoader(teacher_task(n=samples), batch_size=16), ckpt_path=ckpt_path)
     return model, trainer

@@ -99,3 +99,35 @@ def test_named_topk_strategy_runs_its_hook_on_cpu() -> None:
             assert sent < dense_bytes / 4, (sent, dense_bytes)
         assert r["residual_norm"] > 0
     assert all(torch.equal(results[0]["weights"][k], results[1]["weights"][k]) for k in results[0]["weights"])
+
+
+class DensityRecorder(Callback):
+    def __init__(self) -> None:
+        self.densities: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: Trainer, *args: object) -> None:
+        self.densities.append((trainer.current_epoch, trainer.strategy.compressor.density))
+
+
+def _fit_schedule(rank: int, world_size: int) -> dict:
+    recorder = DensityRecorder()
+    strategy = GradCompStrategy(
+        compressor="topk",
+        density_schedule=[0.5, 0.01],
+        keep_last_layer_dense=True,
+        min_compress_numel=0,
+        timeout=TIMEOUT,
+    )
+    # 1024 samples / (16 per batch * 2 ranks) = 32 steps per epoch: 40 steps reach epoch 1
+    _, trainer = fit(strategy, world_size, 40, callbacks=[recorder])
+    return {"densities": recorder.densities, "history": list(trainer.strategy.gradcomp_hook.history)}
+
+
+def test_density_schedule_follows_epochs_and_last_layer_stays_dense() -> None:
+    for r in run_ranks(_fit_schedule, 2, init=False):
+        assert {d for e, d in r["densities"] if e == 0} == {0.5}
+        assert {d for e, d in r["densities"] if e == 1} == {0.01}
+        compressed = [s for s in r["history"] if s.compressed]
+        assert all(s.numel_compressed == 32 * 64 + 64 for s in compressed)  # net.2 (the logits layer) is dense
+        early, late = compressed[0].payload_bytes, compressed[-1].payload_bytes
+        assert early == 8 * (1024 + 32) and late == 8 * (20 + 1), (early, late)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
@@ -64,3 +65,26 @@ def test_named_strategies_are_registered_with_lightning() -> None:
         assert strategy.compressor.name == params["compressor"]
         assert strategy.memory.name == params["memory"]
         assert strategy.aggregator_name == params["aggregator"]
+
+
+def test_density_schedule_is_validated_and_indexed_by_epoch() -> None:
+    strategy = GradCompStrategy(compressor="topk", density_schedule=[0.004, 0.001])
+    assert [strategy.density_for_epoch(e) for e in range(4)] == [0.004, 0.001, 0.001, 0.001]
+    assert GradCompStrategy().density_for_epoch(3) is None
+    with pytest.raises(ValueError, match=r"density_schedule: density must be a number in \(0, 1\], got 2"):
+        GradCompStrategy(density_schedule=[0.1, 2])
+    with pytest.raises(ValueError, match="density_schedule must be a non-empty list"):
+        GradCompStrategy(density_schedule=[])
+    with pytest.raises(ValueError, match="needs a compressor with a density"):
+        GradCompStrategy(compressor="none", density_schedule=[0.1])
+
+
+def test_dense_parameters_and_last_layer_resolve_to_names() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    named = list(model.named_parameters())
+    assert GradCompStrategy(keep_last_layer_dense=True).dense_parameter_names(named) == {"2.weight", "2.bias"}
+    assert GradCompStrategy(dense_parameters=["0.*"]).dense_parameter_names(named) == {"0.weight", "0.bias"}
+    with pytest.raises(ValueError, match=r"dense_parameters pattern 'fc\.\*' matches no parameter"):
+        GradCompStrategy(dense_parameters=["fc.*"]).dense_parameter_names(named)
+    with pytest.raises(ValueError, match="dense_parameters must be a list of name patterns"):
+        GradCompStrategy(dense_parameters="0.*")
