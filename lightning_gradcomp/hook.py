@@ -14,6 +14,10 @@ For each gradient bucket DDP hands over, :class:`GradCompHook`
    (``update``), then writes the averaged gradient back into the bucket.
 
 During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does.
+
+Non-finite gradients: the average is returned as is (NaN/Inf reach the optimizer exactly as under
+plain DDP, so AMP's GradScaler skips the step), and the memory update of every unit whose average
+is not finite is skipped, so residuals and shifts keep their last finite values.
 The hook records a :class:`StepStats` per optimizer step for the callbacks; nothing else flows
 back. (No ``from __future__ import annotations`` here: DDP checks the hook's annotations.)
 """
@@ -40,6 +44,7 @@ class StepStats:
     ``dense_bytes`` is what plain DDP hands to allreduce for the same buckets; ``bytes_sent`` what
     this hook handed to collectives (padding and size exchanges included), so
     ``compression_ratio = dense_bytes / bytes_sent`` is measured, not computed from a formula.
+    ``nonfinite_units`` counts units whose average held NaN/Inf: their memory was left as it was.
     """
 
     step: int
@@ -55,6 +60,7 @@ class StepStats:
     seconds_compress: float = 0.0
     seconds_communicate: float = 0.0
     seconds_decompress: float = 0.0
+    nonfinite_units: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -227,8 +233,13 @@ class GradCompHook:
             if unit.compressed:
                 sents = agg.sent.split(unit.numels)
                 outputs = [self.memory.reconstruct(n, m) for n, m in zip(unit.names, means, strict=True)]
-                for name, part, sent, mean in zip(unit.names, parts, sents, means, strict=True):
-                    self.memory.update(name, part, sent, mean)
+                # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
+                # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.
+                if bool(torch.isfinite(agg.mean).all()):
+                    for name, part, sent, mean in zip(unit.names, parts, sents, means, strict=True):
+                        self.memory.update(name, part, sent, mean)
+                else:
+                    stats.nonfinite_units += 1
                 means = outputs
             for position, mean in zip(unit.positions, means, strict=True):
                 grads[position].copy_(mean)

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 
@@ -71,7 +72,8 @@ class ErrorFeedback(Memory):
 
     What a biased compressor drops is added to the next step's gradient instead of being lost
     (Shi et al., ICDCS 2019, Algorithm 1; ALGORITHMS.md Sec. 4). For a sparsifier ``sent`` equals
-    ``acc`` where it is nonzero, so ``sent + residual == acc`` holds exactly.
+    ``acc`` where it is nonzero, so ``sent + residual == acc`` holds exactly. A non-finite ``acc``
+    leaves the residual as it was.
     """
 
     name = "ef"
@@ -90,6 +92,8 @@ class ErrorFeedback(Memory):
         return grad + residual
 
     def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor) -> None:
+        if not bool(torch.isfinite(compensated).all()):
+            return  # a NaN/Inf that was never sent must not sit in the residual forever
         residual = self._residuals.get(name)
         if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
             self._residuals[name] = compensated - sent
@@ -164,7 +168,11 @@ class Diana(Memory):
 
     def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor) -> None:
         alpha = self.alpha_for(name, compensated.numel())
-        for shifts, step in ((self._local, sent), (self._global, mean)):
+        # h depends on the mean alone, identical on every rank; h_i skips a non-finite local step
+        steps = [(self._global, mean)]
+        if bool(torch.isfinite(sent).all()):
+            steps.append((self._local, sent))
+        for shifts, step in steps:
             if name in shifts:
                 shifts[name].add_(step, alpha=alpha)
             else:

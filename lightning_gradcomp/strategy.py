@@ -215,6 +215,7 @@ class GradCompStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         named = list(self.model.module.named_parameters())
         names = {id(p): name for name, p in named}
+        self._check_settings_agree(named)
         self.gradcomp_hook = GradCompHook(
             compressor=self.compressor,
             memory=self.memory,
@@ -231,6 +232,41 @@ class GradCompStrategy(DDPStrategy):
             self.gradcomp_hook.load_state_dict(self._pending_hook_state)
             self._pending_hook_state = None
         self.model.register_comm_hook(state=self.gradcomp_hook, hook=gradcomp_comm_hook)
+
+    def compression_settings(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, str]:
+        """Every setting all ranks must share, as text: compared across ranks at setup."""
+        return {
+            "compressor": repr(self.compressor),
+            "memory": f"{self.memory.name} {getattr(self.memory, 'alpha', '')}".strip(),
+            "aggregator": self.resolved_aggregator(self.world_size),
+            "granularity": self.granularity,
+            "warmup_steps": str(self.warmup_steps),
+            "min_compress_numel": str(self.min_compress_numel),
+            "density_schedule": str(self.density_schedule),
+            "dense parameters": str(sorted(self.dense_parameter_names(named_parameters))),
+            "seed": str(self.seed),
+            "parameters": str([(name, tuple(p.shape)) for name, p in named_parameters]),
+        }
+
+    def _check_settings_agree(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        """Raise on every rank, naming what differs, when ranks were configured differently.
+
+        Different densities or compressors would make the ranks disagree on payload sizes: a hang or
+        garbage at the first compressed step. One object gather at setup rules that out.
+        """
+        assert isinstance(self.model, DistributedDataParallel)
+        local = self.compression_settings(named_parameters)
+        if self.world_size == 1:
+            return
+        every: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(every, local, group=self.model.process_group)
+        differences = [
+            f"{key}: " + ", ".join(f"rank {r} has {settings[key]}" for r, settings in enumerate(every))
+            for key in local
+            if len({settings[key] for settings in every}) > 1
+        ]
+        if differences:
+            raise ValueError("GradCompStrategy settings differ across ranks; " + "; ".join(differences))
 
     def compression_state(self) -> dict[str, Any]:
         """This rank's compression state (memory, step counter, random generators), on the CPU."""

@@ -121,5 +121,7 @@ def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:
 
 def test_memory_registry() -> None:
     assert isinstance(build_memory("none"), NoMemory) and isinstance(build_memory("ef"), ErrorFeedback)
-    with pytest.raises(ValueError, match=r"memory must be one of \['ef', 'none'\], got 'diana'"):
-        build_memory("diana")
+    with pytest.raises(ValueError, match=r"memory must be one of \['diana', 'ef', 'none'\], got 'residual'"):
+        build_memory("residual")
+    with pytest.raises(ValueError, match=r"memory 'ef' does not take the arguments \['alpha'\]"):
+        build_memory("ef", alpha=0.5)

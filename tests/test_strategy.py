@@ -18,7 +18,7 @@ from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompresso
             {"compressor": "terngrad2"},
             r"compressor must be one of \['none', 'topk'\] or a Compressor instance, got 'terngrad2'",
         ),
-        ({"memory": "residual"}, r"memory must be one of \['ef', 'none'\], got 'residual'"),
+        ({"memory": "residual"}, r"memory must be one of \['diana', 'ef', 'none'\], got 'residual'"),
         ({"aggregator": "ring"}, r"aggregator must be one of \['allgather', 'allreduce', 'auto'\], got 'ring'"),
         ({"granularity": "model"}, r"granularity must be one of \['layer', 'bucket'\], got 'model'"),
         ({"density": 0.0}, r"density must be a number in \(0, 1\], got 0.0"),
