@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution
-from lightning_gradcomp.compressors import Compressor, IdentityCompressor
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload
 from lightning_gradcomp.memory import Memory
 
 GRANULARITIES = ("layer", "bucket")
@@ -45,6 +45,8 @@ class StepStats:
     this hook handed to collectives (padding and size exchanges included), so
     ``compression_ratio = dense_bytes / bytes_sent`` is measured, not computed from a formula.
     ``nonfinite_units`` counts units whose average held NaN/Inf: their memory was left as it was.
+    ``selected`` counts the entries of sparse payloads. ``layers`` (with ``track_layers``) and
+    ``captures`` (after :meth:`GradCompHook.request_capture`) are filled for the diagnostics.
     """
 
     step: int
@@ -61,6 +63,14 @@ class StepStats:
     seconds_communicate: float = 0.0
     seconds_decompress: float = 0.0
     nonfinite_units: int = 0
+    selected: int = 0
+    layers: dict[str, "LayerStats"] = field(default_factory=dict)
+    captures: dict[str, "Capture"] = field(default_factory=dict)
+
+    @property
+    def density(self) -> float | None:
+        """Entries sent over entries compressed, for sparse payloads (``None`` otherwise)."""
+        return self.selected / self.numel_compressed if self.selected and self.numel_compressed else None
 
     @property
     def compression_ratio(self) -> float:
@@ -71,6 +81,29 @@ class StepStats:
     def bits_per_element(self) -> float:
         """Bits sent per gradient element of the step."""
         return 8.0 * self.bytes_sent / self.numel if self.numel else 0.0
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """One compressed unit's share of a step: elements in, payload bytes out, entries sent if sparse."""
+
+    numel: int
+    payload_bytes: int
+    selected: int | None
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One parameter's tensors at a captured step (flat, on the gradient's device).
+
+    ``raw`` is the local gradient, ``compensated`` what the memory handed to the compressor,
+    ``compressed`` the local payload decompressed, ``sent`` what of it reached the global result.
+    """
+
+    raw: Tensor
+    compensated: Tensor
+    compressed: Tensor
+    sent: Tensor
 
 
 @dataclass(frozen=True)
@@ -146,6 +179,12 @@ class GradCompHook:
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._current: StepStats | None = None
+        self.track_layers = False
+        self._capture: frozenset[str] = frozenset()
+
+    def request_capture(self, names: "frozenset[str] | set[str] | list[str]") -> None:
+        """Keep the tensors of parameters ``names`` at the next compressed step, in ``StepStats.captures``."""
+        self._capture = frozenset(names)
 
     @property
     def last_step(self) -> StepStats | None:
@@ -219,8 +258,12 @@ class GradCompHook:
             if unit.compressed:
                 payload = self.compressor.compress(x, self.generator(x.device), scales.pop(0) if scales else None)
                 contributions.append(Contribution(self.compressor, payload))
+                selected = payload.k if isinstance(payload, SparsePayload) else None
                 stats.numel_compressed += x.numel()
                 stats.payload_bytes += payload.nbytes
+                stats.selected += selected or 0
+                if self.track_layers:
+                    stats.layers["+".join(unit.names)] = LayerStats(x.numel(), payload.nbytes, selected)
             else:
                 contributions.append(Contribution(self._dense, self._dense.compress(x)))
         compressed_at = time.perf_counter()
@@ -228,7 +271,7 @@ class GradCompHook:
 
         aggregates = self.aggregator.aggregate(contributions, self.collectives)
 
-        for unit, parts, agg in zip(plan.units, inputs, aggregates, strict=True):
+        for unit, parts, contribution, agg in zip(plan.units, inputs, contributions, aggregates, strict=True):
             means = agg.mean.split(unit.numels)
             if unit.compressed:
                 sents = agg.sent.split(unit.numels)
@@ -240,6 +283,8 @@ class GradCompHook:
                         self.memory.update(name, part, sent, mean)
                 else:
                     stats.nonfinite_units += 1
+                if self._capture.intersection(unit.names):
+                    self._record_capture(stats, unit, parts, grads, contribution, sents)
                 means = outputs
             for position, mean in zip(unit.positions, means, strict=True):
                 grads[position].copy_(mean)
@@ -248,6 +293,21 @@ class GradCompHook:
         stats.seconds_compress += compressed_at - start
         stats.seconds_communicate += communicate
         stats.seconds_decompress += done - compressed_at - communicate
+
+    def _record_capture(
+        self,
+        stats: StepStats,
+        unit: _Unit,
+        parts: list[Tensor],
+        grads: list[Tensor],
+        contribution: Contribution,
+        sents: "tuple[Tensor, ...]",
+    ) -> None:
+        compressed = self.compressor.decompress(contribution.payload).split(unit.numels)
+        for name, position, part, local, sent in zip(unit.names, unit.positions, parts, compressed, sents, strict=True):
+            if name in self._capture:
+                stats.captures[name] = Capture(grads[position].clone(), part.clone(), local.clone(), sent.clone())
+        self._capture = self._capture.difference(stats.captures)
 
     def _shared_scales(self, plan: _BucketPlan, tensors: list[Tensor]) -> list[Tensor]:
         """The MAX over ranks of each compressed unit's local scale: one small collective per bucket."""

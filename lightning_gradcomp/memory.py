@@ -39,6 +39,17 @@ class Memory(ABC):
         """The gradient estimate for the optimizer from the aggregated ``mean``."""
         return mean
 
+    def norm(self) -> float | None:
+        """L2 norm of this rank's per-rank state over all parameters (``None`` when stateless)."""
+        tensors = self.local_state()
+        if not tensors:
+            return None
+        return float(torch.stack([t.float().norm() for t in tensors]).norm())
+
+    def local_state(self) -> list[Tensor]:
+        """The per-rank tensors :meth:`norm` measures (residuals, DIANA's ``h_i``)."""
+        return []
+
     @abstractmethod
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's state, by parameter name."""
@@ -99,6 +110,9 @@ class ErrorFeedback(Memory):
             self._residuals[name] = compensated - sent
         else:
             residual.copy_(compensated).sub_(sent)
+
+    def local_state(self) -> list[Tensor]:
+        return list(self._residuals.values())
 
     def residual(self, name: str) -> Tensor | None:
         """The current residual of parameter ``name`` (``None`` before its first compressed step)."""
@@ -177,6 +191,9 @@ class Diana(Memory):
                 shifts[name].add_(step, alpha=alpha)
             else:
                 shifts[name] = step * alpha
+
+    def local_state(self) -> list[Tensor]:
+        return list(self._local.values())
 
     def shifts(self, name: str) -> tuple[Tensor | None, Tensor | None]:
         """``(h_i, h)`` of parameter ``name`` (``None`` before its first compressed step)."""

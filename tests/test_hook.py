@@ -138,3 +138,30 @@ def test_allreduce_aggregator_with_sparse_payloads_keeps_ranks_in_sync() -> None
         assert torch.equal(results[1]["weights"][name], value)
     for s in results[0]["history"]:
         assert s.bytes_sent == s.dense_bytes  # decompressed, then a dense allreduce: no bytes saved
+
+
+def _captures(rank: int, world_size: int) -> dict:
+    memory, compressor = ErrorFeedback(), TopKCompressor(0.05)
+    hook = _make_hook(compressor, memory, "bucket", warmup=1)
+    hook.track_layers = True
+    hook.request_capture({"0.weight"})
+    _train(rank, world_size, hook)
+    return {"history": list(hook.history), "norm": memory.norm(), "residuals": memory.state_dict()}
+
+
+def test_captures_layer_stats_and_memory_norm() -> None:
+    for r in run_ranks(_captures, 2):
+        captured = [s for s in r["history"] if s.captures]
+        assert len(captured) == 1 and captured[0].step == 1  # one-shot, at the first compressed step
+        c = captured[0].captures["0.weight"]
+        assert c.raw.shape == c.compensated.shape == c.compressed.shape == c.sent.shape == (2048,)
+        assert torch.equal(c.compensated, c.raw)  # no residual yet at the first compressed step
+        assert torch.equal(c.sent, c.compressed)  # allgather: the whole local payload reached the result
+        nonzero = c.compressed != 0
+        assert torch.equal(c.compressed[nonzero], c.compensated[nonzero])
+        for s in r["history"][1:]:
+            assert s.selected == sum(layer.selected for layer in s.layers.values())
+            assert s.density == pytest.approx(s.selected / s.numel_compressed)
+            assert sum(layer.numel for layer in s.layers.values()) == s.numel_compressed == 2304
+        expected = torch.stack([v.norm() for v in r["residuals"].values()]).norm()
+        assert r["norm"] == pytest.approx(float(expected))
