@@ -13,7 +13,8 @@ For each gradient bucket DDP hands over, :class:`GradCompHook`
 5. asks the memory for the gradient estimate (``reconstruct``) and hands it what was sent
    (``update``), then writes the averaged gradient back into the bucket.
 
-During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does.
+During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does, and so
+is every step of the identity compressor without memory (the dense baseline).
 
 Non-finite gradients: the average is returned as is (NaN/Inf reach the optimizer exactly as under
 plain DDP, so AMP's GradScaler skips the step), and the memory update of every unit whose average
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload
-from lightning_gradcomp.memory import Memory
+from lightning_gradcomp.memory import Memory, NoMemory
 
 GRANULARITIES = ("layer", "bucket")
 
@@ -176,6 +177,8 @@ class GradCompHook:
         self.calls = 0
         self.history: deque[StepStats] = deque(maxlen=history)
         self._dense = IdentityCompressor()
+        # identity compressor, no memory: DDP's own in-place scaled allreduce of the bucket, no copies
+        self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory)
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._current: StepStats | None = None
@@ -228,7 +231,7 @@ class GradCompHook:
         stats.dense_bytes += buffer.numel() * buffer.element_size()
         self.calls += 1
 
-        if stats.compressed:
+        if stats.compressed and not self._dense_only:
             self._compress_bucket(bucket, stats)
         else:
             self.collectives.all_reduce_(buffer.mul_(1.0 / self.world_size))

@@ -1,0 +1,307 @@
+"""Training throughput on a bandwidth-limited network: every rank in its own network namespace.
+
+Builds a star of P network namespaces joined through a bridge, each link shaped both ways with
+``tc tbf`` to ``--rate``, runs one process per rank inside its namespace (gloo over the shaped
+link, ``GLOO_SOCKET_IFNAME``), and trains the same model on the same batches with every method in
+ONE launch, so the ratios between methods are comparable:
+
+* ``dense``: plain DDP (no hook); ``fp16`` and ``powersgd``: PyTorch's own comm hooks;
+* ours: the gradcomp hook with each compressor (``terngrad``, ``topk``, ``gaussiank``, ``gtopk``,
+  ``diana``, ``atomo``, ...), exactly as ``GradCompStrategy`` installs it.
+
+Reports images/s, scaling efficiency (throughput at P / (P x single-process throughput)) and, for
+our hooks, the bytes each rank handed to collectives per step. Needs root and iproute2; it creates
+and always deletes its own namespaces, and uses only addresses it assigns inside them.
+
+    sudo python benchmarks/network.py --ranks 4 --rate 100mbit --json results/network.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SUBNET = "10.213.0"
+PORT = 29561
+
+#: Our methods: GradCompHook arguments (compressor name and kwargs, memory, aggregator).
+OURS: dict[str, dict[str, Any]] = {
+    "gradcomp-none": {"compressor": "none", "memory": "none", "aggregator": "allreduce"},
+    "terngrad": {"compressor": "terngrad", "memory": "none", "aggregator": "auto"},
+    "topk": {"compressor": "topk", "density": 0.001, "memory": "ef", "aggregator": "allgather"},
+    "gaussiank": {"compressor": "gaussiank", "density": 0.001, "memory": "ef", "aggregator": "allgather"},
+    "gtopk": {"compressor": "topk", "density": 0.001, "memory": "ef", "aggregator": "gtopk"},
+    "diana": {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather"},
+    "atomo": {"compressor": "atomo", "memory": "none", "aggregator": "allgather"},
+}
+TORCH_METHODS = ("dense", "fp16", "powersgd")
+DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
+
+
+@dataclass
+class Result:
+    method: str
+    images_per_s: float
+    seconds_per_step: float
+    bytes_sent_per_step: float | None
+    dense_bytes_per_step: float | None
+    note: str = ""
+
+
+def build_model(width: int):
+    """An MLP on 3x32x32 inputs: ``3072*width + width*width + width*10`` weights (1.84M at width 512)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(3072, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+
+
+def _batches(rank: int, batch: int, count: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+            for _ in range(count)]  # fmt: skip
+
+
+def _attach(method: str, ddp, model, world_size: int):
+    """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
+
+    from lightning_gradcomp.compressors import build_compressor
+    from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+    from lightning_gradcomp.memory import build_memory
+
+    if method == "dense":
+        return None
+    if method == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if method == "powersgd":
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        return None
+    spec = dict(OURS[method])
+    density = spec.pop("density", None)
+    compressor = build_compressor(spec["compressor"], **({"density": density} if density is not None else {}))
+    memory_kwargs = {"variance_bound": compressor.omega} if spec["memory"] == "diana" else {}
+    aggregator = spec["aggregator"]
+    if aggregator == "auto":
+        aggregator = compressor.preferred_aggregator(world_size)
+    hook = GradCompHook(compressor, build_memory(spec["memory"], **memory_kwargs), aggregator,
+                        {id(p): n for n, p in model.named_parameters()}, warmup_steps=1)  # fmt: skip
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    return hook
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: train every method for ``--steps`` timed steps; rank 0 writes the results."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    batches = _batches(rank, args.batch, args.steps + args.warmup)
+    results = []
+    for method in args.methods.split(","):
+        torch.manual_seed(0)
+        model = build_model(args.width)
+        ddp = DistributedDataParallel(model)
+        try:
+            hook = _attach(method, ddp, model, world)
+        except (ValueError, KeyError) as err:
+            results.append(Result(method, 0.0, 0.0, None, None, note=f"skipped: {err}"))
+            continue
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        for step, (x, y) in enumerate(batches):
+            if step == args.warmup:
+                dist.barrier()
+                start = time.perf_counter()
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
+        timed = [s for s in hook.history if s.compressed][-args.steps :] if hook is not None else []
+        results.append(
+            Result(
+                method,
+                images_per_s=world * args.batch * args.steps / elapsed,
+                seconds_per_step=elapsed / args.steps,
+                bytes_sent_per_step=sum(s.bytes_sent for s in timed) / len(timed) if timed else None,
+                dense_bytes_per_step=sum(s.dense_bytes for s in timed) / len(timed) if timed else None,
+            )
+        )
+    if rank == 0:
+        Path(args.out).write_text(json.dumps([asdict(r) for r in results]))
+    dist.destroy_process_group()
+
+
+def single_process_throughput(args: argparse.Namespace) -> float:
+    """Images/s of one process training the same model with no communication at all."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(args.width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batches = _batches(0, args.batch, args.steps + args.warmup)
+    for step, (x, y) in enumerate(batches):
+        if step == args.warmup:
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return args.batch * args.steps / (time.perf_counter() - start)
+
+
+class Network:
+    """P namespaces on one bridge, each link shaped both ways to ``rate``; deleted on exit."""
+
+    def __init__(self, ranks: int, rate: str) -> None:
+        self.tag = f"gc{os.getpid() % 100000}"
+        self.bridge_ns = f"{self.tag}br"
+        self.rank_ns = [f"{self.tag}r{i}" for i in range(ranks)]
+        self.rate = rate
+        atexit.register(self.delete)
+
+    @staticmethod
+    def _ip(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    def create(self) -> None:
+        run = self._ip
+        run("ip", "netns", "add", self.bridge_ns)
+        run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
+        shape = ["tbf", "rate", self.rate, "burst", "256kbit", "latency", "50ms"]
+        for i, ns in enumerate(self.rank_ns):
+            host, port = f"{self.tag}h{i}", f"{self.tag}p{i}"
+            run("ip", "netns", "add", ns)
+            run("ip", "link", "add", host, "type", "veth", "peer", "name", port)
+            run("ip", "link", "set", host, "netns", ns)
+            run("ip", "link", "set", port, "netns", self.bridge_ns)
+            run("ip", "-n", ns, "link", "set", host, "name", "eth0")
+            run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
+            run("ip", "-n", ns, "link", "set", "eth0", "up")
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+            run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0")
+            run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
+            run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape)
+            run("ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "add", "dev", port, "root", *shape)
+
+    def delete(self) -> None:
+        for ns in [*self.rank_ns, self.bridge_ns]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def launch(self, args: argparse.Namespace, out: str) -> None:
+        procs = []
+        for rank, ns in enumerate(self.rank_ns):
+            env = dict(os.environ, MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(PORT), RANK=str(rank),
+                       WORLD_SIZE=str(len(self.rank_ns)), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
+            cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--out", out,
+                   "--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--batch", str(args.batch), "--width", str(args.width)]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, env=env))
+        deadline = time.monotonic() + args.timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"ranks did not finish within {args.timeout} s") from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.returncode for p in procs]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--rate", action="append", help="tc rate, repeatable (default: 100mbit and 1gbit)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method (buckets, PowerSGD start)")
+    parser.add_argument("--batch", type=int, default=32, help="images per rank per step")
+    parser.add_argument("--width", type=int, default=512, help="MLP width (512: 1.84M parameters)")
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.ranks < 2 or args.steps < 1 or args.warmup < 2:
+        parser.error("--ranks must be >= 2, --steps >= 1 and --warmup >= 2")
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        print("benchmarks/network.py needs root and iproute2 (ip, tc) to build shaped network namespaces; exiting.")
+        return 2
+
+    from rich.console import Console
+    from rich.table import Table
+
+    # a SIGTERM (e.g. from `timeout`) must still run the namespace clean-up in `finally` and atexit
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    single = single_process_throughput(args)
+    report: dict[str, Any] = {"ranks": args.ranks, "batch": args.batch, "width": args.width,
+                              "single_process_images_per_s": single, "rates": {}}  # fmt: skip
+    for rate in args.rate or ["100mbit", "1gbit"]:
+        network = Network(args.ranks, rate)
+        try:
+            network.create()
+            with tempfile.TemporaryDirectory() as tmp:
+                out = str(Path(tmp) / "results.json")
+                network.launch(args, out)
+                results = json.loads(Path(out).read_text())
+        finally:
+            network.delete()
+        dense = next((r["images_per_s"] for r in results if r["method"] == "dense"), None)
+        table = Table(title=f"{args.ranks} ranks, links shaped to {rate}, batch {args.batch}/rank, "
+                            f"single process {single:.0f} img/s")  # fmt: skip
+        for column in ("method", "img/s", "s/step", "scaling eff.", "x dense", "bytes sent/step", "ratio", "note"):
+            table.add_column(column, justify="left" if column in ("method", "note") else "right")
+        for r in results:
+            r["scaling_efficiency"] = r["images_per_s"] / (args.ranks * single) if r["images_per_s"] else None
+            r["speedup_vs_dense"] = r["images_per_s"] / dense if dense and r["images_per_s"] else None
+            sent = r["bytes_sent_per_step"]
+            table.add_row(
+                r["method"], f"{r['images_per_s']:.1f}", f"{r['seconds_per_step']:.3f}",
+                f"{r['scaling_efficiency']:.3f}" if r["scaling_efficiency"] else "-",
+                f"{r['speedup_vs_dense']:.2f}" if r["speedup_vs_dense"] else "-",
+                f"{sent:,.0f}" if sent else "-",
+                f"{r['dense_bytes_per_step'] / sent:.1f}x" if sent else "-", r["note"],
+            )  # fmt: skip
+        Console().print(table)
+        report["rates"][rate] = results
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
