@@ -34,6 +34,18 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Dense baseline through the gradcomp hook (identity compressor, allreduce)",
         {"compressor": "none", "memory": "none", "aggregator": "allreduce"},
     ),
+    "ddp_atomo": (
+        "Spectral ATOMO: unbiased sampling of rank-1 SVD atoms (budget 3), allgather of variable-size payloads",
+        {"compressor": "atomo", "memory": "none", "aggregator": "allgather"},
+    ),
+    "ddp_diana": (
+        "DIANA: compressed gradient differences with per-rank shifts, block inf-norm 2-bit quantizer",
+        {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather"},
+    ),
+    "ddp_terngrad": (
+        "TernGrad: 2-bit stochastic ternary gradients, shared per-layer scalers, 2.5-sigma clipping, last layer dense",
+        {"compressor": "terngrad", "memory": "none", "aggregator": "auto", "keep_last_layer_dense": True},
+    ),
     "ddp_topk": (
         "Top-k sparsification with error feedback, allgather of sparse payloads",
         {"compressor": "topk", "memory": "ef", "aggregator": "allgather"},
@@ -133,8 +145,18 @@ class GradCompStrategy(DDPStrategy):
                 memory_args["variance_bound"] = self.compressor.omega
         if not isinstance(aggregator, str) or (aggregator not in AGGREGATORS and aggregator != "auto"):
             raise ValueError(f"aggregator must be one of {[*sorted(AGGREGATORS), 'auto']}, got {aggregator!r}")
+        if aggregator == "allreduce" and not self.compressor.summable_across_ranks:
+            raise ValueError(
+                f"aggregator='allreduce' sums compressed codes across ranks, which {self.compressor!r} cannot do "
+                "as configured (TernGrad needs share_scale=True); use aggregator='allgather' or 'auto'"
+            )
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
+        if granularity == "bucket" and self.compressor.needs_layer_shape:
+            raise ValueError(
+                f"granularity='bucket' hands {self.compressor.name!r} flat vectors, but it works on each "
+                "parameter's own shape; use granularity='layer'"
+            )
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 0)
         self.seed = _check_int("seed", seed, 0)

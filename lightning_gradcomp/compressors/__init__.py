@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_gradcomp.compressors.atomo import AtomoCompressor, AtomoPayload
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
+from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.sparse import SparsePayload
+from lightning_gradcomp.compressors.ternary import TernaryPayload
+from lightning_gradcomp.compressors.terngrad import TernGradCompressor
 from lightning_gradcomp.compressors.topk import TopKCompressor
 
-COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (IdentityCompressor, TopKCompressor)}
+COMPRESSORS: dict[str, type[Compressor]] = {
+    cls.name: cls for cls in (IdentityCompressor, TopKCompressor, TernGradCompressor, BlockQuantizer, AtomoCompressor)
+}
 
 
 def build_compressor(spec: str | Compressor, **kwargs: Any) -> Compressor:
@@ -31,11 +37,16 @@ def build_compressor(spec: str | Compressor, **kwargs: Any) -> Compressor:
 
 __all__ = [
     "COMPRESSORS",
+    "AtomoCompressor",
+    "AtomoPayload",
+    "BlockQuantizer",
     "Compressor",
     "DensePayload",
     "IdentityCompressor",
     "Payload",
     "SparsePayload",
+    "TernGradCompressor",
+    "TernaryPayload",
     "TopKCompressor",
     "build_compressor",
 ]

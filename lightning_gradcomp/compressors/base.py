@@ -52,11 +52,14 @@ class Compressor(ABC):
         unbiased: whether ``E[decompress(compress(x))] == x``.
         sparse: whether payloads are :class:`~lightning_gradcomp.compressors.SparsePayload`,
             which sparse aggregators (gTop-k) can merge.
+        needs_layer_shape: whether the compressor works on each parameter's own shape (matrices),
+            so ``granularity="bucket"`` (flat vectors) would defeat it.
     """
 
     name: ClassVar[str]
     unbiased: ClassVar[bool]
     sparse: ClassVar[bool] = False
+    needs_layer_shape: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
@@ -100,6 +103,11 @@ class Compressor(ABC):
     def local_scale(self, x: Tensor) -> Tensor:
         """This rank's scale for ``x`` (a 0-dim float32 tensor); only called when :attr:`shares_scale`."""
         raise NotImplementedError(f"{type(self).__name__} does not share a scale")
+
+    @property
+    def summable_across_ranks(self) -> bool:
+        """Whether :meth:`summable` works as configured (the allreduce aggregator relies on it)."""
+        return True
 
     def summable(self, payload: Payload, world_size: int) -> Tensor:
         """A flat tensor whose sum over ranks :meth:`from_sum` turns into the average.

@@ -1,0 +1,175 @@
+"""TernGrad: stochastic ternary gradients with layer-wise scalers and gradient clipping.
+
+Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning",
+NIPS 2017 (ALGORITHMS.md Sec. 1). Each tensor is replaced by
+
+    t = s * sign(g) * b,    b_j ~ Bernoulli(|g_j| / s),    s = max_j |g_j|,
+
+which is unbiased, ``E[t] = g`` (the paper's stochastic ternarization). Two "gradient bounding"
+techniques of the paper shrink ``s`` and with it the variance ``s |g_j| - g_j^2``: one scaler per
+layer (each tensor is compressed on its own), and clipping each element to ``+-c * sigma`` with
+``sigma`` the standard deviation of the layer's gradient and ``c = 2.5`` before ternarizing, which
+makes ``t`` unbiased for the *clipped* gradient. Scaler sharing (in the paper's distributed
+algorithm): every worker uses the MAX over workers of its scaler, so the average of the ``P``
+ternary tensors is ``s * sum(codes) / P`` and the integer codes can be summed by an allreduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.ternary import TernaryPayload, packed_nbytes, ternarize, working_dtype
+
+#: Largest world size whose code sums fit in int8; above it the summable form is int32 (gloo has no int16).
+INT8_WORLD_LIMIT = 127
+
+
+def validate_clip_sigma(clip_sigma: float) -> float:
+    """Return ``clip_sigma`` as a float, or raise ``ValueError`` unless it is a finite number >= 0."""
+    if (
+        isinstance(clip_sigma, bool)
+        or not isinstance(clip_sigma, (int, float))
+        or not math.isfinite(clip_sigma)
+        or clip_sigma < 0
+    ):
+        raise ValueError(f"clip_sigma must be a finite number >= 0 (0 disables clipping), got {clip_sigma!r}")
+    return float(clip_sigma)
+
+
+class TernGradCompressor(Compressor):
+    """TernGrad's stochastic ternarization: 2 bits per element plus one fp32 scaler per tensor.
+
+    Per tensor ``g`` (in fp32 whatever the gradient's dtype):
+
+    1. ``sigma = std(g)`` (population standard deviation); the clipping bound is ``c * sigma``.
+    2. ``s = max |clip(g, -c*sigma, c*sigma)| = min(max|g|, c*sigma)``, this rank's scaler
+       (:meth:`local_scale`); with scaler sharing the hook passes ``S = max over ranks of s``.
+    3. element ``j`` is kept with probability ``|clip(g_j)| / S``: ``t_j = S * sign(g_j)`` if kept,
+       else 0. So ``E[t] = clip(g)``, and ``E[t] = g`` when nothing is clipped.
+
+    The draw is written ``U_j * S < min(|g_j|, s)`` with ``U_j ~ U[0, 1)`` from the given
+    generator: the same event as ``U_j < |clip(g_j)| / S`` (keep when the uniform is *below* the
+    probability), with no division, so an all-zero gradient (``s = 0``) gives all-zero codes and no
+    NaN. Elements beyond the bound have probability 1, so the clipped tensor is never built.
+
+    Args:
+        clip_sigma: ``c``, the clipping bound in standard deviations (paper: 2.5 for every model).
+            0 disables clipping (then ``s = max|g|``). When ``sigma = 0`` (all elements equal,
+            including one-element tensors) clipping is skipped, since it would erase the gradient.
+        share_scale: the paper's scaler sharing. Required by the allreduce aggregator (integer
+            codes are summed); with the allgather aggregator each rank may keep its own scaler
+            (``False``), which avoids the extra variance a larger shared scaler brings.
+
+    The payload is ``ceil(d / 4) + 4`` bytes for ``d`` elements: 2-bit codes and the fp32 scaler.
+    fp16/bf16 gradients are ternarized in fp32 and decoded back to their dtype; fp64 gradients are
+    ternarized from their fp32 rounding (the scaler travels as fp32) and decoded in fp64.
+    """
+
+    name = "terngrad"
+    unbiased = True
+
+    def __init__(self, clip_sigma: float = 2.5, share_scale: bool = True) -> None:
+        self.clip_sigma = validate_clip_sigma(clip_sigma)
+        if not isinstance(share_scale, bool):
+            raise ValueError(f"share_scale must be True or False, got {share_scale!r}")
+        self.share_scale = share_scale
+
+    @property
+    def shares_scale(self) -> bool:
+        return self.share_scale
+
+    def _prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The flat fp32 gradient and this rank's scaler ``min(max|g|, c * sigma)`` (0-dim fp32)."""
+        g = x.detach().reshape(-1).to(torch.float32)
+        if g.numel() == 0:
+            return g, torch.zeros((), dtype=torch.float32, device=g.device)
+        low, high = torch.aminmax(g)
+        scale = torch.maximum(high, -low)
+        if self.clip_sigma > 0:
+            bound = self.clip_sigma * torch.std(g, correction=0)
+            scale = torch.where(bound > 0, torch.minimum(scale, bound), scale)
+        return g, scale
+
+    def local_scale(self, x: Tensor) -> Tensor:
+        """This rank's scaler ``max|clipped g|`` as a 0-dim float32 tensor."""
+        return self._prepare(x)[1]
+
+    def compress(
+        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+    ) -> TernaryPayload:
+        """Ternarize ``x`` with its own scaler, or with the shared ``scale`` (never below its own)."""
+        g, local = self._prepare(x)
+        if scale is None:
+            used = local
+        else:
+            used = torch.maximum(scale.detach().to(device=g.device, dtype=torch.float32).reshape(()), local)
+        thresholds = torch.rand(g.numel(), generator=generator, device=g.device, dtype=torch.float32).mul_(used)
+        if scale is not None and self.clip_sigma > 0:
+            # A shared scaler above this rank's own: clipped elements keep probability s / S, not |g| / S.
+            thresholds.masked_fill_(thresholds >= local, math.inf)
+        codes = ternarize(g, thresholds)
+        return TernaryPayload(codes, used.reshape(1), x.shape, x.dtype, max(1, g.numel()), shared=scale is not None)
+
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:
+        return TernaryPayload.from_bytes(buffer, shape, dtype, max(1, shape.numel()), 1)
+
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        return 4 + packed_nbytes(shape.numel())
+
+    def decompress(self, payload: Payload) -> Tensor:
+        assert isinstance(payload, TernaryPayload)
+        return payload.dense(working_dtype(payload.dtype)).to(payload.dtype)
+
+    def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
+        """Add ``codes * s`` into ``out``, keeping a running sum of codes correctly rounded.
+
+        When ``out`` holds ``round(n * s)`` for integers ``n`` (all earlier payloads had the same
+        scaler, as under scaler sharing), the result is ``round((n + c) * s)``: the allgather
+        aggregator then ends with ``round(sum(codes) * s) / P``, bit for bit what :meth:`from_sum`
+        computes from the allreduced codes. Other elements (scalers that differ across ranks) get
+        the plain sum ``out + c * s``, rounded once; an all-zero scaler adds nothing.
+        """
+        assert isinstance(payload, TernaryPayload)
+        work = working_dtype(out.dtype)
+        scale = payload.scales[0].to(work)
+        current = out.to(work)
+        count = torch.round(current / scale)
+        on_grid = (count * scale).to(out.dtype) == out
+        exact = (count + payload.codes) * scale
+        plain = current + payload.codes * scale
+        return out.copy_(torch.where(on_grid, exact, plain))
+
+    @property
+    def summable_across_ranks(self) -> bool:
+        """Codes add up across ranks only under one shared scaler."""
+        return self.share_scale
+
+    def summable(self, payload: Payload, world_size: int) -> Tensor:
+        """The codes themselves (int8; int32 above 127 ranks): their sum times ``S / P`` is the average."""
+        assert isinstance(payload, TernaryPayload)
+        if not payload.shared:
+            raise ValueError(
+                "TernGrad codes can only be summed across ranks when every rank used the same scaler: "
+                "use share_scale=True (the hook then passes the MAX over ranks as `scale`) or aggregator='allgather'"
+            )
+        return payload.codes if world_size <= INT8_WORLD_LIMIT else payload.codes.to(torch.int32)
+
+    def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
+        """``round(sum(codes) * S) / P`` in the gradient's dtype (the same rounding as :meth:`accumulate`)."""
+        assert isinstance(payload, TernaryPayload)
+        work = working_dtype(payload.dtype)
+        return (total.to(work) * payload.scales[0].to(work)).to(payload.dtype).div_(world_size)
+
+    def preferred_aggregator(self, world_size: int) -> str:
+        """The path moving fewer bytes: allgather hands ``(P-1) d / 4`` bytes, ring allreduce of int8 ~``2 d``.
+
+        Allgather while ``(P - 1) / 4 < 2`` (up to 8 ranks), allreduce beyond (it needs a shared
+        scaler: without ``share_scale`` it is always allgather).
+        """
+        if not self.share_scale or (world_size - 1) / 4 < 2:
+            return "allgather"
+        return "allreduce"

@@ -1,0 +1,381 @@
+"""Spectral ATOMO (Wang et al., NeurIPS 2018): optimal probabilities, unbiasedness, wire format, bytes on real ranks.
+
+Statistical tests derive their tolerances from the estimator's exact variance (computable from the
+singular values and the probabilities) and use fixed seeds, so they are deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from mnist_fit import fit_mnist, needs_mnist
+from ranks import run_ranks
+
+from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
+from lightning_gradcomp.compressors import DensePayload
+from lightning_gradcomp.compressors.atomo import (
+    AtomoCompressor,
+    AtomoPayload,
+    atomo_probabilities,
+    one_pass_probabilities,
+    sampling_variance,
+)
+
+Z = 5.0  # tolerance in standard deviations of the quantity tested
+
+
+def _orthonormal(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(rows, cols, generator=gen, dtype=torch.float64))[0]
+
+
+def _with_spectrum(m: int, n: int, sigma: torch.Tensor, seed: int) -> torch.Tensor:
+    """An ``(m, n)`` float32 matrix whose singular values are ``sigma``."""
+    gen = torch.Generator().manual_seed(seed)
+    r = sigma.numel()
+    return (_orthonormal(m, r, gen) * sigma.double() @ _orthonormal(n, r, gen).T).float()
+
+
+SPECTRA = {
+    "flat": (torch.ones(20), 3.0),
+    "geometric": (0.5 ** torch.arange(20.0), 3.0),
+    "one dominant": (torch.tensor([1000.0] + [1.0] * 19), 3.0),
+    "steps": (torch.tensor([9.0, 8.0, 1.0, 1.0, 0.5, 0.5, 0.1]), 2.5),
+    "budget above rank": (0.7 ** torch.arange(6.0), 9.0),
+    "zeros, budget above nonzeros": (torch.tensor([3.0, 0.0, 1.0, 0.0, 2.0]), 4.0),
+    "shuffled with zeros": (torch.tensor([0.3, 0.0, 5.0, 0.01, 2.0, 0.0, 0.3, 1.0, 7.0]), 3.5),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECTRA))
+def test_probabilities_spend_the_budget_and_beat_the_one_pass_shortcut(name: str) -> None:
+    magnitudes, budget = SPECTRA[name]
+    a = magnitudes.double()
+    p = atomo_probabilities(a, budget)
+    nonzero = a > 0
+    assert p.dtype == a.dtype and p.shape == a.shape
+    assert math.isclose(float(p.sum()), min(budget, int(nonzero.sum())), rel_tol=1e-12)
+    assert bool((p[nonzero] > 0).all() and (p <= 1).all() and (p[~nonzero] == 0).all())
+    one_pass = one_pass_probabilities(a, budget)
+    optimal, shortcut = float(sampling_variance(a, p)), float(sampling_variance(a, one_pass))
+    assert optimal <= shortcut * (1 + 1e-12)
+    print(f"{name:>30}: s={budget} variance water-filling {optimal:.6g}, one-pass {shortcut:.6g}, "
+          f"one-pass spends {float(one_pass.sum()):.4f} of {min(budget, int(nonzero.sum()))}")  # fmt: skip
+    # KKT conditions of min sum a^2/p s.t. sum p = s, 0 < p <= 1: p_i = min(1, c a_i) for one c > 0
+    free = nonzero & (p < 1)
+    if free.any():
+        c = p[free] / a[free]
+        torch.testing.assert_close(c, torch.full_like(c, float(c.mean())), rtol=1e-12, atol=0)
+        assert bool((c[0] * a[nonzero & ~free] >= 1 - 1e-12).all())
+    # permutation equivariance
+    perm = torch.randperm(a.numel(), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(atomo_probabilities(a[perm], budget), p[perm], rtol=1e-14, atol=0)
+
+
+def test_one_pass_shortcut_underspends_when_it_clips() -> None:
+    a, budget = SPECTRA["one dominant"]
+    one_pass = one_pass_probabilities(a.double(), budget)
+    assert float(one_pass.sum()) < 1.06  # 1 (clipped) + 19 * 3/1019: two atoms of budget wasted
+    assert float(atomo_probabilities(a.double(), budget).sum()) == pytest.approx(3.0, rel=1e-12)
+
+
+def _brute_force(a: torch.Tensor, budget: float) -> tuple[float, torch.Tensor]:
+    """min over every set K of atoms with p = 1 of the best proportional allocation of the rest."""
+    best, best_p = math.inf, None
+    r = a.numel()
+    for size in range(r + 1):
+        for saturated in itertools.combinations(range(r), size):
+            rest = [i for i in range(r) if i not in saturated]
+            left = budget - size
+            if left < 0 or (not rest and left > 1e-12) or (rest and left <= 0):
+                continue
+            p = torch.ones(r, dtype=torch.float64)
+            if rest:
+                p[rest] = a[rest] * left / a[rest].sum()
+            if bool((p <= 1 + 1e-15).all()):
+                variance = float((a**2 / p).sum())
+                if variance < best:
+                    best, best_p = variance, p
+    assert best_p is not None
+    return best, best_p
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_probabilities_equal_a_brute_force_optimum_on_small_cases(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    r = 3 + seed % 5
+    a = torch.rand(r, generator=gen, dtype=torch.float64) ** 4 * 10 + 1e-3  # heavy spread: several saturate
+    for budget in (0.5, 1.0, 1.7, 2.0, r - 0.5):
+        variance, reference = _brute_force(a, budget)
+        p = atomo_probabilities(a, budget)
+        assert float((a**2 / p).sum()) == pytest.approx(variance, rel=1e-12)
+        torch.testing.assert_close(p, reference, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("budget", [0, -1, math.nan, math.inf, True, "3", None])
+def test_bad_budgets_are_rejected(budget: object) -> None:
+    with pytest.raises(ValueError, match="budget must be a finite number > 0"):
+        AtomoCompressor(budget)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="budget"):
+        atomo_probabilities(torch.ones(3), budget)  # type: ignore[arg-type]
+
+
+def test_matrix_views_and_dense_fallbacks() -> None:
+    atomo = AtomoCompressor(budget=3)
+    assert atomo.name == "atomo" and atomo.unbiased and atomo.preferred_aggregator(4) == "allgather"
+    f32 = torch.float32
+    assert atomo.matrix_shape(torch.Size([64, 32, 3, 3]), f32) == (64, 288)  # conv: (out, in*kh*kw)
+    assert atomo.matrix_shape(torch.Size([120, 400]), f32) == (120, 400)  # linear stays (out, in)
+    assert atomo.matrix_shape(torch.Size([4096]), f32) is None  # 1-D (bias, or a whole bucket) travels dense
+    assert atomo.matrix_shape(torch.Size([2, 1000]), f32) is None  # 2 atoms * 1003 floats >= 2000: no gain
+    assert atomo.matrix_shape(torch.Size([0, 5]), f32) is None
+    assert atomo.payload_nbytes(torch.Size([4096]), torch.bfloat16) == 8192
+    assert atomo.payload_nbytes(torch.Size([120, 400]), f32) is None
+    bias = torch.randn(4096)
+    payload = atomo.compress(bias, torch.Generator())
+    assert isinstance(payload, DensePayload) and torch.equal(atomo.decompress(payload), bias)
+
+
+def _draws(atomo: AtomoCompressor, x: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([atomo.decompress(atomo.compress(x, gen)).double() for _ in range(count)])
+
+
+@pytest.mark.parametrize(
+    ("shape", "sigma", "budget"),
+    [
+        ((12, 20), 2.0 ** -torch.arange(12.0) * 4, 3.0),  # decaying spectrum: the top atoms saturate
+        ((8, 3, 3, 3), None, 2.5),  # a conv kernel with a random (flat-ish) spectrum
+    ],
+)
+def test_atomo_is_unbiased_with_the_predicted_variance(shape: tuple, sigma: torch.Tensor | None, budget: float) -> None:
+    if sigma is None:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    else:
+        x = _with_spectrum(*shape, sigma, seed=4)
+    atomo = AtomoCompressor(budget)
+    u, s, vh = (t.double() for t in atomo.decompose(x))
+    p = atomo.probabilities(s)
+    assert float(p.sum()) == pytest.approx(budget, rel=1e-9) and bool((p < 1).any())
+    # entry (j, k) of g_hat is sum_i (s_i t_i / p_i) u_ji v_ik with independent t_i ~ Bernoulli(p_i)
+    per_atom = s**2 * (1 / p - 1)
+    entry_variance = torch.einsum("i,ji,ik->jk", per_atom, u**2, vh**2).reshape(-1)
+    count = 3000
+    draws = _draws(atomo, x, count, seed=5)
+    target = x.double().reshape(-1)
+    error = draws.mean(0) - target
+    tolerance = Z * (entry_variance / count).sqrt() + 1e-5
+    assert bool((error.abs() <= tolerance).all()), float((error.abs() / tolerance).max())
+    # total variance: E||g_hat - g||^2 = sum_i s_i^2 (1/p_i - 1), estimated from the same draws
+    squared = (draws - target).pow(2).sum(1)
+    predicted = float(sampling_variance(s, p))
+    worst = float((error.abs() / (entry_variance / count).sqrt()).max())
+    print(f"{shape} s={budget}: max |mean - g| / sd(mean) = {worst:.2f}; E||g_hat - g||^2 predicted "
+          f"{predicted:.4f}, measured {float(squared.mean()):.4f} over {count} draws")  # fmt: skip
+    assert float(squared.mean()) == pytest.approx(predicted, abs=Z * float(squared.std()) / math.sqrt(count))
+    # the atoms kept average to the budget
+    atoms = [atomo.compress(x, torch.Generator().manual_seed(i)).atoms for i in range(500)]
+    var_atoms = float((p * (1 - p)).sum())
+    assert sum(atoms) / 500 == pytest.approx(budget, abs=Z * math.sqrt(var_atoms / 500))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(16, 6, 5, 5), (40, 30), (3000,), (2, 1000)])
+def test_wire_round_trip_is_exact(dtype: torch.dtype, shape: tuple) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    atomo = AtomoCompressor(budget=4)
+    payload = atomo.compress(x, torch.Generator().manual_seed(2))
+    wire = payload.to_bytes()
+    assert wire.dtype == torch.uint8 and wire.numel() == payload.nbytes
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), wire])[3:]  # misaligned parts must read back
+    back = atomo.unpack(shifted, x.shape, dtype)
+    assert type(back) is type(payload) and back.dtype == dtype and back.shape == x.shape
+    assert torch.equal(atomo.decompress(back), atomo.decompress(payload))
+    if isinstance(payload, AtomoPayload):
+        m, n = atomo.matrix_shape(x.shape, dtype)  # type: ignore[misc]
+        atom_bytes = 8 if dtype == torch.float64 else 4
+        assert payload.nbytes == payload.atoms * (m + n + 1) * atom_bytes
+        assert payload.atoms >= 1 and isinstance(back, AtomoPayload)
+        assert torch.equal(back.u, payload.u) and torch.equal(back.v, payload.v)
+        assert torch.equal(back.coefficients, payload.coefficients)
+        with pytest.raises(ValueError, match="whole number"):
+            atomo.unpack(wire[:-1], x.shape, dtype)
+    else:
+        assert payload.nbytes == x.numel() * x.element_size() == atomo.payload_nbytes(x.shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients_decompose_in_float32_without_nan(dtype: torch.dtype) -> None:
+    x = _with_spectrum(64, 96, 3.0 ** -torch.arange(64.0) * 50, seed=6).to(dtype)
+    atomo = AtomoCompressor(budget=3)
+    half = atomo.compress(x, torch.Generator().manual_seed(0))
+    full = atomo.compress(x.float(), torch.Generator().manual_seed(0))
+    assert isinstance(half, AtomoPayload) and isinstance(full, AtomoPayload)
+    assert half.coefficients.dtype == torch.float32 and half.dtype == dtype
+    assert torch.equal(half.u, full.u) and torch.equal(half.v, full.v)
+    assert torch.equal(half.coefficients, full.coefficients)
+    out = atomo.decompress(half)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all())
+    assert torch.equal(out, atomo.decompress(full).to(dtype))
+    # a flat spectrum of large entries: sigma / p exceeds the float16 range, the decompressed layer does not
+    big = (torch.randn(64, 96, generator=torch.Generator().manual_seed(7)) * 2000).to(dtype)
+    payload = atomo.compress(big, torch.Generator().manual_seed(1))
+    assert isinstance(payload, AtomoPayload) and float(payload.coefficients.max()) > 65504
+    assert bool(torch.isfinite(atomo.decompress(payload)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_zero_gradients_send_no_atom_and_decompress_to_zero(dtype: torch.dtype) -> None:
+    atomo = AtomoCompressor()
+    x = torch.zeros(16, 6, 5, 5, dtype=dtype)
+    payload = atomo.compress(x, torch.Generator())
+    assert isinstance(payload, AtomoPayload) and payload.atoms == 0 and payload.nbytes == 0
+    assert payload.to_bytes().numel() == 0
+    back = atomo.unpack(payload.to_bytes(), x.shape, dtype)
+    assert torch.equal(atomo.decompress(back), torch.zeros(x.numel(), dtype=dtype))
+    # rank-deficient: zero singular values are never sampled, nothing is NaN
+    low_rank = torch.zeros(40, 30)
+    low_rank[:, 0] = 1.0
+    out = atomo.decompress(atomo.compress(low_rank, torch.Generator()))
+    torch.testing.assert_close(out.view(40, 30), low_rank, rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_gradients_stay_non_finite() -> None:
+    x = torch.randn(40, 30).half()
+    x[3, 4] = math.inf
+    out = AtomoCompressor().decompress(AtomoCompressor().compress(x, torch.Generator()))
+    assert bool(torch.isnan(out).all())  # a GradScaler sees the overflow and skips the step
+
+
+# ---------------------------------------------------------------- real ranks: bytes on the wire
+
+LAYERS = {  # shape -> singular values (None: dense, a 1-D bias)
+    (16, 6, 5, 5): 0.6 ** torch.arange(16.0),
+    (120, 400): torch.linspace(1.0, 0.1, 120),
+    (10, 84): torch.tensor([5.0, 1.0, *([0.2] * 8)]),
+    (120,): None,
+}
+BUDGET = 3.0
+STEPS = 150
+
+
+def _layer_inputs() -> list[torch.Tensor]:
+    out = []
+    for i, (shape, sigma) in enumerate(LAYERS.items()):
+        if sigma is None:
+            out.append(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
+        else:
+            out.append(_with_spectrum(shape[0], math.prod(shape[1:]), sigma, seed=10 + i).reshape(shape))
+    return out
+
+
+def _exchange(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    atomo = AtomoCompressor(BUDGET)
+    xs = _layer_inputs()  # the same gradients on every rank, drawn with independent generators
+    gen = torch.Generator().manual_seed(1000 + rank)
+    record: dict = {"bytes_sent": [], "calls": [], "payload_bytes": [], "atoms": []}
+    for step in range(STEPS):
+        payloads = [atomo.compress(x, gen) for x in xs]
+        collectives = Collectives()
+        results = AllgatherAggregator().aggregate([Contribution(atomo, p) for p in payloads], collectives)
+        record["bytes_sent"].append(collectives.counter.bytes_sent)
+        record["calls"].append(collectives.counter.calls)
+        record["payload_bytes"].append([p.nbytes for p in payloads])
+        record["atoms"].append([p.atoms if isinstance(p, AtomoPayload) else 0 for p in payloads])
+        if step == 0:
+            record["means"] = [r.mean for r in results]
+            record["sents"] = [r.sent for r in results]
+    return record
+
+
+def _max_distribution(weights_and_probs: list[tuple[int, torch.Tensor]], world_size: int) -> tuple[float, float]:
+    """Mean and std of max over ``world_size`` i.i.d. ranks of ``sum_l w_l K_l``, ``K_l`` Poisson-binomial."""
+    total = {0: 1.0}
+    for weight, p in weights_and_probs:
+        counts = torch.zeros(p.numel() + 1, dtype=torch.float64)
+        counts[0] = 1.0
+        for pi in p.tolist():  # Poisson-binomial pmf of the number of atoms kept
+            counts[1:] = counts[1:] * (1 - pi) + counts[:-1] * pi
+            counts[0] *= 1 - pi
+        merged: dict[int, float] = {}
+        for value, mass in total.items():
+            for k, pk in enumerate(counts.tolist()):
+                if pk * mass > 1e-18:
+                    merged[value + weight * k] = merged.get(value + weight * k, 0.0) + pk * mass
+        total = merged
+    values = sorted(total)
+    cdf = torch.tensor([total[v] for v in values], dtype=torch.float64).cumsum(0).clamp(max=1.0)
+    below = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[:-1]])
+    pmf_max = cdf**world_size - below**world_size
+    v = torch.tensor(values, dtype=torch.float64)
+    mean = float((pmf_max * v).sum())
+    return mean, math.sqrt(max(0.0, float((pmf_max * v**2).sum()) - mean**2))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bytes_counted_on_real_ranks_match_the_expected_atoms(world_size: int) -> None:
+    results = run_ranks(_exchange, world_size)
+    atomo = AtomoCompressor(BUDGET)
+    xs = _layer_inputs()
+    # the average of the decompressed payloads, identical on every rank
+    for i in range(len(xs)):
+        expected = sum(r["sents"][i] for r in results) / world_size
+        for r in results:
+            assert torch.equal(r["means"][i], results[0]["means"][i])
+            torch.testing.assert_close(r["means"][i], expected, rtol=1e-5, atol=1e-6)
+    layers = len(xs)
+    dense_bytes = sum(x.numel() * 4 for x, sigma in zip(xs, LAYERS.values(), strict=True) if sigma is None)
+    weights_and_probs = []
+    for i, x in enumerate(xs):
+        if LAYERS[tuple(x.shape)] is None:
+            continue
+        m, n = atomo.matrix_shape(x.shape, x.dtype)  # type: ignore[misc]
+        p = atomo.probabilities(atomo.decompose(x)[1])
+        weight = (m + n + 1) * 4
+        weights_and_probs.append((weight, p))
+        # this rank's payload bytes, averaged over steps and ranks: E[atoms] (m + n + 1) * 4
+        sizes = torch.tensor([step[i] for r in results for step in r["payload_bytes"]], dtype=torch.float64)
+        atoms = torch.tensor([step[i] for r in results for step in r["atoms"]], dtype=torch.float64)
+        assert torch.equal(sizes, atoms * weight)
+        expected_mean, expected_std = float(p.sum()) * weight, math.sqrt(float((p * (1 - p)).sum())) * weight
+        assert float(p.sum()) == pytest.approx(min(BUDGET, min(m, n)), rel=1e-9)
+        print(f"P={world_size} layer {tuple(x.shape)} as ({m}, {n}): mean {float(sizes.mean()):.1f} bytes/step, "
+              f"expected s(m+n+1)*4 = {expected_mean:.1f} (dense {m * n * 4})")  # fmt: skip
+        assert float(sizes.mean()) == pytest.approx(expected_mean, abs=Z * expected_std / math.sqrt(sizes.numel()))
+    # what the comm layer counted, per step: one size exchange (int64 per layer) + the gather padded to the
+    # longest rank's bytes; on average 8 L + dense + E[max over ranks of the spectral bytes]
+    for step in range(STEPS):
+        longest = max(sum(r["payload_bytes"][step]) for r in results)
+        for r in results:
+            assert r["calls"][step] == 2
+            assert r["bytes_sent"][step] == 8 * layers + longest
+    counted = torch.tensor(results[0]["bytes_sent"], dtype=torch.float64)
+    mean_max, std_max = _max_distribution(weights_and_probs, world_size)
+    expected = 8 * layers + dense_bytes + mean_max
+    print(f"P={world_size}: counted {float(counted.mean()):.1f} bytes sent/step, expected {expected:.1f} "
+          f"(mean payload {8 * layers + dense_bytes + sum(float(p.sum()) * w for w, p in weights_and_probs):.1f} "
+          f"before padding to the longest rank)")  # fmt: skip
+    assert float(counted.mean()) == pytest.approx(expected, abs=Z * std_max / math.sqrt(STEPS))
+
+
+# ---------------------------------------------------------------- Lightning end to end
+
+MNIST_STEPS, MNIST_SEED, MNIST_BUDGET = 250, 0, 10
+
+
+@needs_mnist
+def test_atomo_fit_on_mnist_is_within_one_and_a_half_points_of_dense() -> None:
+    dense = fit_mnist({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, seed=MNIST_SEED)
+    atomo = fit_mnist(
+        {"compressor": AtomoCompressor(budget=MNIST_BUDGET), "memory": "none", "aggregator": "allgather"},
+        steps=MNIST_STEPS,
+        seed=MNIST_SEED,
+    )
+    print(f"MNIST LeNet-5, {MNIST_STEPS} steps, seed {MNIST_SEED}: dense {dense['val_acc']:.4f}, "
+          f"ATOMO s={MNIST_BUDGET} {atomo['val_acc']:.4f}; bytes/step {atomo['bytes_sent']:.0f} "
+          f"vs dense {atomo['dense_bytes']:.0f}")  # fmt: skip
+    assert atomo["val_acc"] >= dense["val_acc"] - 0.015
+    assert atomo["bytes_sent"] < atomo["dense_bytes"] / 4
