@@ -41,6 +41,16 @@ def _fit(rank: int, world_size: int, strategy_kwargs: dict[str, Any], steps: int
     }
 
 
+_RESULTS: dict[str, dict] = {}
+
+
 def fit_mnist(strategy_kwargs: dict[str, Any], steps: int = 250, seed: int = 0, world_size: int = 2) -> dict:
-    """Rank 0's validation accuracy and mean bytes per compressed step for ``GradCompStrategy(**strategy_kwargs)``."""
-    return run_ranks(_fit, world_size, strategy_kwargs, steps, seed, init=False, timeout=300)[0]
+    """Rank 0's validation accuracy and mean bytes per compressed step for ``GradCompStrategy(**strategy_kwargs)``.
+
+    Results are kept for the test session, so the dense baseline that several tests compare with
+    is trained once.
+    """
+    key = repr((sorted(strategy_kwargs.items()), steps, seed, world_size))
+    if key not in _RESULTS:
+        _RESULTS[key] = run_ranks(_fit, world_size, strategy_kwargs, steps, seed, init=False, timeout=300)[0]
+    return _RESULTS[key]
