@@ -42,6 +42,14 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         "DIANA: compressed gradient differences with per-rank shifts, block inf-norm 2-bit quantizer",
         {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather"},
     ),
+    "ddp_gaussiank": (
+        "Gaussian_k: O(d) threshold selection with error feedback, allgather of variable-size payloads",
+        {"compressor": "gaussiank", "memory": "ef", "aggregator": "allgather"},
+    ),
+    "ddp_gtopk": (
+        "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P)",
+        {"compressor": "topk", "memory": "ef", "aggregator": "gtopk"},
+    ),
     "ddp_terngrad": (
         "TernGrad: 2-bit stochastic ternary gradients, shared per-layer scalers, 2.5-sigma clipping, last layer dense",
         {"compressor": "terngrad", "memory": "none", "aggregator": "auto", "keep_last_layer_dense": True},
@@ -123,9 +131,11 @@ class GradCompStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        owned = sorted(set(kwargs) & set(_OWNED_DDP_ARGUMENTS))
+        owned = sorted(k for k in _OWNED_DDP_ARGUMENTS if kwargs.get(k) is not None)
         if owned:
             raise ValueError(f"GradCompStrategy installs its own communication hook; do not pass {owned}")
+        for key in _OWNED_DDP_ARGUMENTS:  # config parsers pass DDPStrategy's defaults (None) explicitly
+            kwargs.pop(key, None)
         compressor_args = dict(compressor_kwargs or {})
         if density is not None:
             compressor_args["density"] = density

@@ -22,7 +22,9 @@ MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mn
 needs_mnist = pytest.mark.skipif(not MNIST_DIR.is_dir(), reason=f"MNIST files not found in {MNIST_DIR}")
 
 
-def _fit(rank: int, world_size: int, strategy_kwargs: dict[str, Any], steps: int, seed: int) -> dict[str, float]:
+def _fit(
+    rank: int, world_size: int, strategy_kwargs: dict[str, Any], steps: int, seed: int, model_kwargs: dict[str, Any]
+) -> dict[str, float]:
     pl.seed_everything(seed, verbose=False)
     strategy = GradCompStrategy(timeout=timedelta(seconds=120), **strategy_kwargs)
     trainer = pl.Trainer(
@@ -31,7 +33,7 @@ def _fit(rank: int, world_size: int, strategy_kwargs: dict[str, Any], steps: int
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     data = MNISTDataModule(str(MNIST_DIR), batch_size=32, train_split="t10k", holdout=2000)
-    trainer.fit(ImageClassifier(LeNet5(), lr=0.05), data)
+    trainer.fit(ImageClassifier(LeNet5(), **{"lr": 0.05, **model_kwargs}), data)
     hook = strategy.gradcomp_hook
     compressed = [s for s in hook.history if s.compressed]
     return {
@@ -44,13 +46,22 @@ def _fit(rank: int, world_size: int, strategy_kwargs: dict[str, Any], steps: int
 _RESULTS: dict[str, dict] = {}
 
 
-def fit_mnist(strategy_kwargs: dict[str, Any], steps: int = 250, seed: int = 0, world_size: int = 2) -> dict:
+def fit_mnist(
+    strategy_kwargs: dict[str, Any],
+    steps: int = 250,
+    seed: int = 0,
+    world_size: int = 2,
+    model_kwargs: dict[str, Any] | None = None,
+) -> dict:
     """Rank 0's validation accuracy and mean bytes per compressed step for ``GradCompStrategy(**strategy_kwargs)``.
 
     Results are kept for the test session, so the dense baseline that several tests compare with
     is trained once.
     """
-    key = repr((sorted(strategy_kwargs.items()), steps, seed, world_size))
+    model_kwargs = dict(model_kwargs or {})
+    key = repr((sorted(strategy_kwargs.items()), steps, seed, world_size, sorted(model_kwargs.items())))
     if key not in _RESULTS:
-        _RESULTS[key] = run_ranks(_fit, world_size, strategy_kwargs, steps, seed, init=False, timeout=300)[0]
+        _RESULTS[key] = run_ranks(
+            _fit, world_size, strategy_kwargs, steps, seed, model_kwargs, init=False, timeout=300
+        )[0]
     return _RESULTS[key]

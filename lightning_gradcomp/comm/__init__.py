@@ -10,6 +10,9 @@ from lightning_gradcomp.comm.aggregators import (
 )
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.comm.counter import CommCounter
+from lightning_gradcomp.comm.gtopk import GTopKAggregator
+
+AGGREGATORS[GTopKAggregator.name] = GTopKAggregator
 
 __all__ = [
     "AGGREGATORS",
@@ -20,4 +23,5 @@ __all__ = [
     "Collectives",
     "CommCounter",
     "Contribution",
+    "GTopKAggregator",
 ]

@@ -6,6 +6,8 @@ from typing import Any
 
 from lightning_gradcomp.compressors.atomo import AtomoCompressor, AtomoPayload
 from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.dgc import DGCCompressor
+from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.sparse import SparsePayload
@@ -14,7 +16,16 @@ from lightning_gradcomp.compressors.terngrad import TernGradCompressor
 from lightning_gradcomp.compressors.topk import TopKCompressor
 
 COMPRESSORS: dict[str, type[Compressor]] = {
-    cls.name: cls for cls in (IdentityCompressor, TopKCompressor, TernGradCompressor, BlockQuantizer, AtomoCompressor)
+    cls.name: cls
+    for cls in (
+        IdentityCompressor,
+        TopKCompressor,
+        GaussianKCompressor,
+        DGCCompressor,
+        TernGradCompressor,
+        BlockQuantizer,
+        AtomoCompressor,
+    )
 }
 
 
@@ -41,7 +52,9 @@ __all__ = [
     "AtomoPayload",
     "BlockQuantizer",
     "Compressor",
+    "DGCCompressor",
     "DensePayload",
+    "GaussianKCompressor",
     "IdentityCompressor",
     "Payload",
     "SparsePayload",

@@ -6,6 +6,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+
+from lightning_gradcomp.examples.datafiles import check_positive_int
 
 
 def teacher_dataset(n: int, features: int, classes: int, seed: int) -> TensorDataset:
@@ -20,7 +23,16 @@ def teacher_dataset(n: int, features: int, classes: int, seed: int) -> TensorDat
 
 
 class TeacherDataModule(pl.LightningDataModule):
-    """Train/validation splits of :func:`teacher_dataset` (different inputs, same teacher)."""
+    """Train/validation splits of :func:`teacher_dataset` (different inputs, same teacher).
+
+    Args:
+        features: input dimension.
+        classes: number of classes (outputs of the teacher).
+        train_size: training examples.
+        val_size: validation examples.
+        batch_size: per-process training batch size.
+        seed: draws the teacher and the inputs.
+    """
 
     def __init__(
         self,
@@ -32,6 +44,15 @@ class TeacherDataModule(pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        for name, value, minimum in (
+            ("features", features, 1),
+            ("classes", classes, 2),
+            ("train_size", train_size, 1),
+            ("val_size", val_size, 1),
+            ("batch_size", batch_size, 1),
+            ("seed", seed, 0),
+        ):
+            check_positive_int(name, value, minimum)
         self.features, self.classes, self.batch_size = features, classes, batch_size
         self.train_size, self.val_size, self.seed = train_size, val_size, seed
 
@@ -45,12 +66,24 @@ class TeacherDataModule(pl.LightningDataModule):
 
 
 class MLPClassifier(pl.LightningModule):
-    """Two-layer perceptron with SGD + momentum; logs ``val_acc``."""
+    """Two-layer perceptron with SGD + momentum 0.9; logs ``train_loss``, ``val_loss`` and ``val_acc``.
+
+    Args:
+        features: input dimension.
+        hidden: width of the hidden layer.
+        classes: outputs.
+        lr: learning rate, > 0.
+    """
 
     def __init__(self, features: int = 64, hidden: int = 512, classes: int = 10, lr: float = 0.05) -> None:
         super().__init__()
+        for name, value, minimum in (("features", features, 1), ("hidden", hidden, 1), ("classes", classes, 2)):
+            check_positive_int(name, value, minimum)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"lr must be a number > 0, got {lr!r}")
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.val_accuracy = MeanMetric()  # per-sample mean over every rank's batches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -63,7 +96,10 @@ class MLPClassifier(pl.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.log("val_acc", (self(x).argmax(dim=1) == y).float().mean(), sync_dist=True)
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.val_accuracy.update((logits.argmax(dim=1) == y).float())
+        self.log("val_acc", self.val_accuracy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)

@@ -1,0 +1,307 @@
+"""gTop-k: merge sparse sets pairwise in log2(P) rounds, keeping k entries, instead of gathering P of them.
+
+Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for Low
+Bandwidth Networks" (ICDCS 2019), Sec. IV, Algorithms 2 and 3; ALGORITHMS.md Sec. 4.
+
+Every rank holds a sparse set of at most ``k`` entries per tensor. A *merge* of two sets sums
+the values at shared indices and keeps the ``k`` entries of largest ``|value|``. The authors
+merge up a tree to rank 0 and broadcast the result; here the merges run as a recursive-doubling
+butterfly, so that every rank ends with the result and no broadcast is needed:
+
+* round ``r`` (``r = 0 .. log2(P') - 1``): exchange sets with rank ``rank XOR 2^r``, and both
+  partners merge. The merge is a pure function of the unordered pair of sets (union in index
+  order, each shared index summed as one addition ``a + b``, which IEEE arithmetic makes
+  commutative, then a stable sort by ``|value|`` descending, so ties go to the lower index):
+  both partners compute bit-identical sets, and after the last round all ranks do.
+* Any world size: with ``P'`` the largest power of two ``<= P``, rank ``P' + j`` first sends its
+  set to rank ``j``, which merges it in; the butterfly runs among the first ``P'`` ranks; rank
+  ``j`` finally sends the result back to rank ``P' + j``. (The authors' code needs ``P`` to be
+  a power of two.)
+
+Cost per rank and bucket, ``P`` a power of two, ``B = k * (index + value bytes)``: ``log2(P)``
+messages of ``B`` sent and received, i.e. ``alpha * log2(P) + 2k * log2(P) * beta`` in the
+paper's model (``k`` values and ``k`` indices per round), against ``2 (P - 1) k beta`` for an
+allgather of the Top-k sets and ``2 (P - 1) / P * d * beta`` for a dense ring allreduce. Bytes
+per rank per step therefore grow like ``log2(P)``, where the allgather's received bytes grow
+like ``P``. Otherwise the first ``P - P'`` ranks pay one extra message each way, and the folded
+ranks send and receive one message in all. All units (tensors) of a bucket travel in one
+message per round; each unit has a fixed size (a count, then ``k`` index and ``k`` value slots,
+zero-padded), so no sizes are exchanged.
+
+What reached the result (``Aggregate.sent``, which error feedback subtracts from ``acc``): a
+local entry reached the global sum only if its index survived *every* merge along its owner's
+path, not merely if the index is in the final set: rank 0's entry at ``i`` can be dropped in
+round 0 while ranks 2 and 3 carry ``i`` into the result. Each rank therefore tracks the indices
+that survived all merges it performed, and a folded rank receives that mask with the result.
+``sent`` is the local set restricted to those indices, so that ``sum over ranks of sent`` equals
+``P * mean`` (up to summation order) and nothing is lost from the error-feedback residual. The
+authors (and ALGORITHMS.md) put back only local entries whose index is absent from the final
+set; that loses the values dropped on the way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, AllreduceAggregator, Contribution
+from lightning_gradcomp.comm.collectives import Collectives
+from lightning_gradcomp.compressors import IdentityCompressor, SparsePayload
+from lightning_gradcomp.compressors.sparse import index_dtype, itemsize
+from lightning_gradcomp.compressors.topk import k_for
+from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+
+_COUNT_DTYPE = torch.int64
+
+
+@dataclass(frozen=True)
+class SparseSet:
+    """At most ``k`` entries of a flat tensor: ascending unique ``indices`` (int64) and their ``values``."""
+
+    indices: Tensor
+    values: Tensor
+
+
+def canonical(indices: Tensor, values: Tensor) -> SparseSet:
+    """Sort entries by index, summing the values of repeated indices (a payload's indices should be unique)."""
+    indices = indices.reshape(-1).long()
+    values = values.reshape(-1)
+    order = torch.argsort(indices, stable=True)
+    indices, values = indices[order], values[order]
+    if indices.numel() > 1 and bool((indices[1:] == indices[:-1]).any()):
+        indices, inverse = torch.unique_consecutive(indices, return_inverse=True)
+        values = torch.zeros(indices.numel(), dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+    return SparseSet(indices, values)
+
+
+def keep_largest(entries: SparseSet, k: int) -> SparseSet:
+    """The ``k`` entries of largest ``|value|``, ties to the lower index, in index order (all if there are fewer).
+
+    Deterministic: a stable sort by ``|value|`` (descending) of index-ordered entries.
+    """
+    if entries.indices.numel() <= k:
+        return entries
+    order = torch.argsort(entries.values.abs(), descending=True, stable=True)[:k]
+    order = order.sort().values
+    return SparseSet(entries.indices[order], entries.values[order])
+
+
+def merge(a: SparseSet, b: SparseSet, k: int) -> SparseSet:
+    """Sum two index-ordered sparse sets and keep the ``k`` entries of largest ``|value|``.
+
+    ``merge(a, b, k)`` and ``merge(b, a, k)`` are bit-identical: each shared index is summed by
+    one addition of its two values (commutative in IEEE arithmetic), and :func:`keep_largest`
+    depends only on the summed, index-ordered entries.
+    """
+    indices = torch.cat([a.indices, b.indices])
+    values = torch.cat([a.values, b.values])
+    order = torch.argsort(indices, stable=True)
+    indices, values = indices[order], values[order]
+    if indices.numel() > 1:
+        shared = torch.nonzero(indices[1:] == indices[:-1]).reshape(-1)
+        if shared.numel():
+            values[shared] = values[shared] + values[shared + 1]
+            keep = torch.ones(indices.numel(), dtype=torch.bool, device=indices.device)
+            keep[shared + 1] = False
+            indices, values = indices[keep], values[keep]
+    return keep_largest(SparseSet(indices, values), k)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Wire layout of one contribution: a count, then ``k`` index slots and ``k`` value slots (and flags)."""
+
+    numel: int
+    k: int
+    dtype: torch.dtype
+    index_dtype: torch.dtype
+
+    def nbytes(self, flags: bool = False) -> int:
+        return itemsize(_COUNT_DTYPE) + self.k * (itemsize(self.index_dtype) + itemsize(self.dtype) + int(flags))
+
+
+def _padded(t: Tensor, length: int, dtype: torch.dtype) -> Tensor:
+    out = torch.zeros(length, dtype=dtype, device=t.device)
+    out[: t.numel()] = t
+    return out
+
+
+def _pack(sets: Sequence[SparseSet], units: Sequence[_Unit], flags: Sequence[Tensor] | None = None) -> Tensor:
+    """One uint8 message for all units: per unit its count, padded indices, padded values (and padded flags)."""
+    parts: list[Tensor] = []
+    for i, (entries, unit) in enumerate(zip(sets, units, strict=True)):
+        device = entries.values.device
+        parts.append(torch.tensor([entries.indices.numel()], dtype=_COUNT_DTYPE, device=device))
+        parts.append(_padded(entries.indices, unit.k, unit.index_dtype))
+        parts.append(_padded(entries.values, unit.k, unit.dtype))
+        if flags is not None:
+            parts.append(_padded(flags[i], unit.k, torch.uint8))
+    return to_bytes(parts)
+
+
+def _unpack(buffer: Tensor, units: Sequence[_Unit], flags: bool = False) -> tuple[list[SparseSet], list[Tensor]]:
+    """Parse :func:`_pack`'s message: the sets, and the flags (as bool tensors) when ``flags``."""
+    reader = ByteReader(buffer)
+    sets, masks = [], []
+    for unit in units:
+        count = int(reader.take(1, _COUNT_DTYPE))
+        if not 0 <= count <= unit.k:
+            raise RuntimeError(f"gtopk message holds {count} entries for a unit of at most {unit.k}")
+        indices = reader.take(unit.k, unit.index_dtype)[:count].long()
+        values = reader.take(unit.k, unit.dtype)[:count].clone()
+        sets.append(SparseSet(indices, values))
+        if flags:
+            masks.append(reader.take(unit.k, torch.uint8)[:count].bool())
+    if reader.remaining:
+        raise RuntimeError(f"gtopk message has {reader.remaining} unexpected trailing bytes")
+    return sets, masks
+
+
+class PointToPoint:
+    """Counted point-to-point messages between ranks of ``collectives.group`` (group ranks).
+
+    Every message is recorded in ``collectives.counter`` as one call: bytes handed to send as
+    sent, bytes of the receive buffer as received. Calls block until the transfer completes
+    (inside a DDP comm hook on gloo, blocking send/recv and waited-on isend/irecv both work).
+    """
+
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
+        self.group = collectives.group
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def send(self, buffer: Tensor, peer: int) -> None:
+        """Send ``buffer`` (uint8, non-empty) to group rank ``peer``."""
+        start = time.perf_counter()
+        dist.send(buffer, self._global(peer), group=self.group)
+        self.collectives.counter.record(buffer.numel(), 0, time.perf_counter() - start)
+
+    def recv(self, nbytes: int, peer: int, device: torch.device) -> Tensor:
+        """Receive ``nbytes`` bytes from group rank ``peer``."""
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        start = time.perf_counter()
+        dist.recv(out, self._global(peer), group=self.group)
+        self.collectives.counter.record(0, nbytes, time.perf_counter() - start)
+        return out
+
+    def exchange(self, buffer: Tensor, peer: int, nbytes: int) -> Tensor:
+        """Send ``buffer`` to group rank ``peer`` and receive ``nbytes`` bytes from it, concurrently."""
+        out = torch.empty(nbytes, dtype=torch.uint8, device=buffer.device)
+        start = time.perf_counter()
+        ops = [
+            dist.P2POp(dist.isend, buffer, self._global(peer), self.group),
+            dist.P2POp(dist.irecv, out, self._global(peer), self.group),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        self.collectives.counter.record(buffer.numel(), nbytes, time.perf_counter() - start)
+        return out
+
+
+def _density(codec: object) -> float:
+    density = getattr(codec, "density", None)
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ValueError(
+            f"gtopk needs the compressor's density in (0, 1] to size its sets; "
+            f"{type(codec).__name__} has density={density!r}"
+        )
+    return float(density)
+
+
+class GTopKAggregator(Aggregator):
+    """Global Top-k: every rank ends with the same ``k``-entry sparse estimate of the sum of the ranks' sets.
+
+    The result is exactly the Top-k of the sum for ``P = 2``; for more ranks each merge keeps
+    ``k`` entries, so an index dropped from a partial sum cannot come back through it (the
+    paper's approximation, Sec. IV).
+
+    For sparse compressors (``codec.sparse``) with a ``density``; ``k = k_for(numel, density)``
+    per contribution, read at every call (a density schedule may change it). A payload with more
+    than ``k`` entries (Gaussian_k's count varies) is cut to its ``k`` largest first.
+    Contributions of the identity compressor (parameters left dense) are all-reduced, in one
+    collective of their own. See the module docstring for the butterfly, its cost
+    (``alpha log2 P + 2k log2 P beta``), any-``P`` folding, and what counts as sent.
+
+    ``mean`` is the global set divided by ``P`` (dense, flat, at most ``k`` nonzeros) and is
+    bit-identical on every rank; ``sent`` is the local entries that survived every merge.
+    """
+
+    name = "gtopk"
+
+    def __init__(self) -> None:
+        self._dense = AllreduceAggregator()
+
+    def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+        dense, sparse = [], []
+        for i, c in enumerate(contributions):
+            if isinstance(c.codec, IdentityCompressor):
+                dense.append(i)
+                continue
+            if not c.codec.sparse:
+                raise ValueError(
+                    f"gtopk merges sparse payloads; compressor {type(c.codec).__name__} is not sparse "
+                    "(use aggregator 'allreduce' or 'allgather')"
+                )
+            _density(c.codec)
+            if not isinstance(c.payload, SparsePayload):
+                raise ValueError(f"gtopk needs SparsePayload contributions, got {type(c.payload).__name__}")
+            sparse.append(i)
+        results: list[Aggregate | None] = [None] * len(contributions)
+        for positions, aggregate in ((dense, self._dense.aggregate), (sparse, self._global_topk)):
+            if positions:
+                outcome = aggregate([contributions[i] for i in positions], collectives)
+                for i, result in zip(positions, outcome, strict=True):
+                    results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _global_topk(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+        world, rank = collectives.world_size, collectives.rank
+        units, local = [], []
+        for c in contributions:
+            payload = c.payload
+            assert isinstance(payload, SparsePayload)
+            numel = payload.numel
+            k = k_for(numel, _density(c.codec))
+            units.append(_Unit(numel, k, payload.dtype, index_dtype(numel)))
+            local.append(keep_largest(canonical(payload.indices, payload.values), k))
+        device = contributions[0].payload.device
+        size = sum(u.nbytes() for u in units)
+        size_flagged = sum(u.nbytes(flags=True) for u in units)
+        p2p = PointToPoint(collectives)
+        base = 1 << (world.bit_length() - 1)  # P', the largest power of two <= P
+        held = list(local)
+        if rank >= base:
+            p2p.send(_pack(held, units), rank - base)
+            held, masks = _unpack(p2p.recv(size_flagged, rank - base, device), units, flags=True)
+            survivors = [g.indices[m] for g, m in zip(held, masks, strict=True)]
+        else:
+            folded = rank + base if rank + base < world else None
+            if folded is not None:
+                theirs, _ = _unpack(p2p.recv(size, folded, device), units)
+                held = [merge(a, b, u.k) for a, b, u in zip(held, theirs, units, strict=True)]
+            survivors = [h.indices for h in held]
+            for r in range(int(math.log2(base))):
+                theirs, _ = _unpack(p2p.exchange(_pack(held, units), rank ^ (1 << r), size), units)
+                held = [merge(a, b, u.k) for a, b, u in zip(held, theirs, units, strict=True)]
+                survivors = [s[torch.isin(s, h.indices)] for s, h in zip(survivors, held, strict=True)]
+            if folded is not None:
+                flags = [torch.isin(h.indices, s) for h, s in zip(held, survivors, strict=True)]
+                p2p.send(_pack(held, units, flags), folded)
+
+        results = []
+        for unit, entries, mine, alive in zip(units, held, local, survivors, strict=True):
+            mean = torch.zeros(unit.numel, dtype=unit.dtype, device=device)
+            mean[entries.indices] = entries.values / world
+            reached = torch.isin(mine.indices, alive)
+            sent = torch.zeros(unit.numel, dtype=unit.dtype, device=device)
+            sent[mine.indices[reached]] = mine.values[reached]
+            results.append(Aggregate(mean, sent))
+        return results

@@ -1,0 +1,183 @@
+"""Gaussian_k (threshold from mean and std, refined) and DGC (sampled threshold, exact k) selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors.dgc import DGCCompressor
+from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor, MagnitudeBlocks
+from lightning_gradcomp.compressors.topk import k_for
+
+D = 200_000
+
+
+def _is_a_top_set(x: torch.Tensor, indices: torch.Tensor) -> bool:
+    """Every selected magnitude is at least every unselected one."""
+    chosen = torch.zeros(x.numel(), dtype=torch.bool)
+    chosen[indices] = True
+    if chosen.all() or not chosen.any():
+        return True
+    return bool(x[chosen].abs().min() >= x[~chosen].abs().max())
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01])
+def test_gaussiank_on_gaussian_data_selects_between_two_thirds_and_four_thirds_of_k(density: float) -> None:
+    k = k_for(D, density)
+    codec = GaussianKCompressor(density)
+    for seed in range(3):
+        x = torch.randn(D, generator=torch.Generator().manual_seed(seed)) * 0.01
+        indices = codec.select(x)
+        assert 2 * k / 3 <= indices.numel() <= 4 * k / 3, (seed, indices.numel(), k)
+        assert torch.equal(indices, indices.unique())
+        assert _is_a_top_set(x, indices)
+
+
+def test_gaussiank_keeps_the_count_closest_to_k_when_refinements_overshoot() -> None:
+    # N(0.1 sigma, sigma^2): counts 0.64k, then 92k, 11k, 0.15k for the thresholds tried; the
+    # paper's loop would return the last
+    x = torch.randn(D, generator=torch.Generator().manual_seed(2)) * 0.01 + 0.001
+    assert GaussianKCompressor(0.001).select(x).numel() == 127
+
+
+def _heavy(kind: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "student_t_1.5":  # Student-t with 1.5 degrees of freedom: infinite variance
+        return torch.randn(D, generator=gen) / torch.sqrt(torch.distributions.Chi2(1.5).sample((D,)) / 1.5)
+    if kind == "normal_cubed":
+        return torch.randn(D, generator=gen) ** 3
+    return torch.randn(D, generator=gen).exp() * torch.randn(D, generator=gen).sign()  # signed log-normal
+
+
+@pytest.mark.parametrize("kind", ["student_t_1.5", "normal_cubed", "signed_lognormal"])
+@pytest.mark.parametrize("density", [0.001, 0.01])
+def test_gaussiank_on_heavy_tails_still_selects_a_sane_count(kind: str, density: float) -> None:
+    torch.manual_seed(0)
+    k = k_for(D, density)
+    for seed in range(3):
+        x = _heavy(kind, seed)
+        indices = GaussianKCompressor(density).select(x)
+        # measured on these seeds: 0.3k to 2.5k (the Gaussian model misjudges heavy tails; three
+        # refinements cannot always reach the 2k/3..4k/3 window)
+        assert k / 4 <= indices.numel() <= 3 * k, (kind, seed, indices.numel(), k)
+        assert _is_a_top_set(x, indices)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.full((1000,), 2.0),  # sigma = 0: nothing lies above mu, whatever the refinements
+        torch.zeros(1000).index_fill_(0, torch.tensor([5]), 3.0),  # one spike
+        torch.where(torch.arange(10_000) % 3 == 0, 1.0, -1.0),  # one magnitude everywhere
+        torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 0.01 - 5.0,  # mean far below zero
+        torch.tensor([0.0, -1e-30]),
+        torch.tensor([4.0]),
+    ],
+    ids=["constant", "spike", "plus_minus_one", "negative_mean", "tiny", "single"],
+)
+@pytest.mark.parametrize("density", [0.001, 0.05])
+def test_gaussiank_never_selects_nothing_from_a_nonzero_tensor(x: torch.Tensor, density: float) -> None:
+    indices = GaussianKCompressor(density).select(x)
+    assert 1 <= indices.numel() <= max(2 * k_for(x.numel(), density), 1)
+    assert _is_a_top_set(x, indices)
+    assert torch.equal(GaussianKCompressor(density).select(-x).sort().values, indices.sort().values)
+
+
+def test_gaussiank_selects_nothing_from_zeros_and_has_no_fixed_payload_size() -> None:
+    codec = GaussianKCompressor(0.01)
+    payload = codec.compress(torch.zeros(3, 500))
+    assert payload.k == 0 and payload.nbytes == 0
+    assert codec.payload_nbytes(torch.Size([3, 500]), torch.float32) is None
+
+
+def test_gaussiank_threshold_is_the_papers_formula_and_payloads_round_trip() -> None:
+    x = torch.randn(50, 1000, generator=torch.Generator().manual_seed(3)) + 0.2
+    codec = GaussianKCompressor(0.01, refinements=0)
+    std, mean = torch.std_mean(x, correction=0)
+    z = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - 0.01 / 2, dtype=torch.float64))
+    assert codec.threshold(x.reshape(-1)) == pytest.approx(float(mean.abs() + z * std), rel=1e-5)
+    indices = codec.select(x)
+    assert torch.equal(indices, torch.nonzero(x.reshape(-1).abs() > codec.threshold(x.reshape(-1))).reshape(-1))
+    payload = codec.compress(x)
+    back = codec.unpack(payload.to_bytes(), x.shape, x.dtype)
+    assert torch.equal(back.indices, payload.indices) and torch.equal(back.values, payload.values)
+    assert torch.equal(codec.decompress(payload)[indices], x.reshape(-1)[indices])
+
+
+def test_gaussiank_follows_a_density_changed_between_epochs() -> None:
+    x = torch.randn(D, generator=torch.Generator().manual_seed(4))
+    codec = GaussianKCompressor(0.01)
+    wide = codec.select(x).numel()
+    codec.density = 0.001  # what the strategy's density schedule does at an epoch boundary
+    narrow = codec.select(x).numel()
+    assert 2 * k_for(D, 0.01) / 3 <= wide <= 4 * k_for(D, 0.01) / 3
+    assert 2 * k_for(D, 0.001) / 3 <= narrow <= 4 * k_for(D, 0.001) / 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"density": 0.0}, r"density must be a number in \(0, 1\], got 0.0"),
+        ({"density": 1.5}, r"density must be a number in \(0, 1\], got 1.5"),
+        ({"refinements": -1}, r"refinements must be an integer in \[0, 10\], got -1"),
+        ({"refinements": 2.0}, r"refinements must be an integer in \[0, 10\], got 2.0"),
+    ],
+)
+def test_gaussiank_rejects_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GaussianKCompressor(**kwargs)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 63, 64, 65, 1000, 4097])
+def test_magnitude_blocks_find_exactly_the_entries_above_a_threshold(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    blocks = MagnitudeBlocks(x)
+    for thr in (0.0, 0.5, 2.0, 10.0):
+        assert torch.equal(blocks.above(thr), torch.nonzero(x.abs() > thr).reshape(-1))
+        assert torch.equal(blocks.above(thr, inclusive=True), torch.nonzero(x.abs() >= thr).reshape(-1))
+
+
+@pytest.mark.parametrize(("numel", "density"), [(D, 0.001), (D, 0.01), (50_000, 0.003), (999, 0.01)])
+def test_dgc_selects_exactly_k_with_the_exact_topk_values(numel: int, density: float) -> None:
+    codec = DGCCompressor(density)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(1)) ** 3
+    k = k_for(numel, density)
+    payload = codec.compress(x, torch.Generator().manual_seed(2))
+    assert payload.k == k and payload.nbytes == codec.payload_nbytes(x.shape, x.dtype)
+    assert torch.equal(payload.values.abs().sort(descending=True).values, torch.topk(x.abs(), k).values)
+    again = codec.compress(x, torch.Generator().manual_seed(2))
+    assert torch.equal(again.indices, payload.indices)
+
+
+def test_dgc_sample_margin_makes_the_exact_fallback_rare_and_the_fallback_is_exact() -> None:
+    x = torch.randn(D, generator=torch.Generator().manual_seed(5))
+    k = k_for(D, 0.001)
+    expected = torch.topk(x.abs(), k).values
+    short = {}
+    for margin in (0.0, 3.0):
+        codec = DGCCompressor(0.001, margin=margin)
+        short[margin] = 0
+        for seed in range(20):
+            thr = codec.sample_threshold(x, torch.Generator().manual_seed(seed))
+            short[margin] += int((x.abs() >= thr).sum()) < k
+            indices = codec.select(x, torch.Generator().manual_seed(seed))
+            assert indices.numel() == k
+            assert torch.equal(x[indices].abs().sort(descending=True).values, expected)
+    assert short[0.0] >= 3  # DGC's plain rank leaves too few candidates about half the time
+    assert short[3.0] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"density": -0.1}, r"density must be a number in \(0, 1\], got -0.1"),
+        ({"sample_ratio": 0.0}, r"sample_ratio must be a number in \(0, 1\], got 0.0"),
+        ({"sample_ratio": 2}, r"sample_ratio must be a number in \(0, 1\], got 2"),
+        ({"min_samples": 0}, r"min_samples must be an integer >= 1, got 0"),
+        ({"margin": -1.0}, r"margin must be a finite number >= 0, got -1.0"),
+        ({"margin": float("inf")}, r"margin must be a finite number >= 0, got inf"),
+    ],
+)
+def test_dgc_rejects_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DGCCompressor(**kwargs)
