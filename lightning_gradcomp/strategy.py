@@ -44,11 +44,11 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "ddp_gaussiank": (
         "Gaussian_k: O(d) threshold selection with error feedback, allgather of variable-size payloads",
-        {"compressor": "gaussiank", "memory": "ef", "aggregator": "allgather"},
+        {"compressor": "gaussiank", "memory": "ef", "aggregator": "allgather", "granularity": "bucket"},
     ),
     "ddp_gtopk": (
         "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P)",
-        {"compressor": "topk", "memory": "ef", "aggregator": "gtopk"},
+        {"compressor": "topk", "memory": "ef", "aggregator": "gtopk", "granularity": "bucket"},
     ),
     "ddp_terngrad": (
         "TernGrad: 2-bit stochastic ternary gradients, shared per-layer scalers, 2.5-sigma clipping, last layer dense",
@@ -56,7 +56,7 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "ddp_topk": (
         "Top-k sparsification with error feedback, allgather of sparse payloads",
-        {"compressor": "topk", "memory": "ef", "aggregator": "allgather"},
+        {"compressor": "topk", "memory": "ef", "aggregator": "allgather", "granularity": "bucket"},
     ),
 }
 

@@ -21,7 +21,7 @@ from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.comm import AGGREGATORS, AllgatherAggregator, Collectives, Contribution
+from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
 from lightning_gradcomp.comm.gtopk import GTopKAggregator
 from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
@@ -335,11 +335,19 @@ def test_hook_under_ddp_keeps_ranks_in_sync_with_gtopk(by_size: dict) -> None:
         assert all(0 < s.bytes_sent < s.dense_bytes for s in compressed)
 
 
+MNIST_STEPS = 750  # 6 epochs of the 8,000 training images on 2 ranks
+MNIST_SCHEDULE = {"lr_milestones": [4], "lr_gamma": 0.1}
+
+
 @needs_mnist
-@pytest.mark.skipif(
-    "gtopk" not in AGGREGATORS, reason="the 'gtopk' aggregator is not registered in comm.AGGREGATORS yet"
-)
-def test_mnist_with_gtopk_reaches_dense_accuracy() -> None:
-    result = fit_mnist({"compressor": "topk", "density": 0.01, "aggregator": "gtopk"})
-    assert result["val_acc"] >= 0.92, result  # measured 0.9465 (dense: 0.967) at 250 steps, seed 0
-    assert result["bytes_sent"] < result["dense_bytes"] / 10, result
+def test_mnist_with_gtopk_is_within_one_point_of_dense() -> None:
+    dense = fit_mnist({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, model_kwargs=MNIST_SCHEDULE)
+    gtopk = fit_mnist(
+        {"compressor": "topk", "density": 0.01, "aggregator": "gtopk", "granularity": "bucket"},
+        steps=MNIST_STEPS,
+        model_kwargs=MNIST_SCHEDULE,
+    )
+    print(f"MNIST LeNet-5, 2 ranks, {MNIST_STEPS} steps, seed 0: dense {dense['val_acc']:.4f}, gtopk (density 0.01) "
+          f"{gtopk['val_acc']:.4f}, bytes/step {gtopk['bytes_sent']:.0f} vs {gtopk['dense_bytes']:.0f}")  # fmt: skip
+    assert gtopk["val_acc"] >= dense["val_acc"] - 0.01
+    assert gtopk["bytes_sent"] < gtopk["dense_bytes"] / 10
