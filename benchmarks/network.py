@@ -176,7 +176,7 @@ def single_process_throughput(args: argparse.Namespace) -> float:
 
 
 class Network:
-    """P namespaces on one bridge, each link shaped both ways to ``rate``; deleted on exit."""
+    """P namespaces on one bridge, each link shaped both ways to ``rate`` (``"none"``: unshaped); deleted on exit."""
 
     def __init__(self, ranks: int, rate: str) -> None:
         self.tag = f"gc{os.getpid() % 100000}"
@@ -207,8 +207,9 @@ class Network:
             run("ip", "-n", ns, "link", "set", "lo", "up")
             run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0")
             run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
-            run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape)
-            run("ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "add", "dev", port, "root", *shape)
+            if self.rate != "none":
+                run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape)
+                run("ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "add", "dev", port, "root", *shape)
 
     def delete(self) -> None:
         for ns in [*self.rank_ns, self.bridge_ns]:
@@ -241,7 +242,11 @@ class Network:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--rate", action="append", help="tc rate, repeatable (default: 100mbit and 1gbit)")
+    parser.add_argument(
+        "--rate",
+        action="append",
+        help="tc rate, repeatable; 'none' leaves the links unshaped (default: 100mbit, 1gbit)",
+    )
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method (buckets, PowerSGD start)")
