@@ -186,8 +186,17 @@ class GradCompHook:
         self._capture: frozenset[str] = frozenset()
 
     def request_capture(self, names: "frozenset[str] | set[str] | list[str]") -> None:
-        """Keep the tensors of parameters ``names`` at the next compressed step, in ``StepStats.captures``."""
-        self._capture = frozenset(names)
+        """Keep the tensors of parameters ``names`` at the next compressed step, in ``StepStats.captures``.
+
+        Requests add up (several diagnostics may ask at the same step). Only the latest step keeps its
+        captures: finishing a step drops the previous step's, so history holds no tensors for long.
+        """
+        self._capture = self._capture | frozenset(names)
+
+    @property
+    def pending_captures(self) -> frozenset[str]:
+        """Parameter names whose tensors the next compressed step will capture."""
+        return self._capture
 
     @property
     def last_step(self) -> StepStats | None:
@@ -371,6 +380,8 @@ class GradCompHook:
         stats.collectives = self.counter.calls
         if not stats.compressed:
             stats.seconds_communicate = self.counter.seconds
+        if self.history:
+            self.history[-1].captures.clear()
         self.history.append(stats)
         self._current = None
         self.step += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from models import teacher_task
@@ -54,7 +56,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
-def _train(rank: int, world_size: int, hook: GradCompHook | None, bucket_cap_mb: float = 0.001) -> nn.Module:
+def _train(
+    rank: int,
+    world_size: int,
+    hook: GradCompHook | None,
+    bucket_cap_mb: float = 0.001,
+    after_step: Callable[[int], None] | None = None,
+) -> nn.Module:
     model = _model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     if hook is not None:
@@ -68,6 +76,8 @@ def _train(rank: int, world_size: int, hook: GradCompHook | None, bucket_cap_mb:
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
+        if after_step is not None:
+            after_step(step)
     return model
 
 
@@ -145,15 +155,23 @@ def _captures(rank: int, world_size: int) -> dict:
     hook = _make_hook(compressor, memory, "bucket", warmup=1)
     hook.track_layers = True
     hook.request_capture({"0.weight"})
-    _train(rank, world_size, hook)
-    return {"history": list(hook.history), "norm": memory.norm(), "residuals": memory.state_dict()}
+    hook.request_capture({"2.weight"})  # requests add up
+    seen: dict[int, dict] = {}
+
+    def record(step: int) -> None:
+        if hook.last_step.captures:
+            seen[step] = dict(hook.last_step.captures)
+
+    _train(rank, world_size, hook, after_step=record)
+    return {"history": list(hook.history), "norm": memory.norm(), "residuals": memory.state_dict(), "seen": seen}
 
 
 def test_captures_layer_stats_and_memory_norm() -> None:
     for r in run_ranks(_captures, 2):
-        captured = [s for s in r["history"] if s.captures]
-        assert len(captured) == 1 and captured[0].step == 1  # one-shot, at the first compressed step
-        c = captured[0].captures["0.weight"]
+        assert list(r["seen"]) == [1]  # one-shot, at the first compressed step
+        assert sorted(r["seen"][1]) == ["0.weight", "2.weight"]
+        assert not any(s.captures for s in r["history"])  # later steps dropped it: no tensors kept
+        c = r["seen"][1]["0.weight"]
         assert c.raw.shape == c.compensated.shape == c.compressed.shape == c.sent.shape == (2048,)
         assert torch.equal(c.compensated, c.raw)  # no residual yet at the first compressed step
         assert torch.equal(c.sent, c.compressed)  # allgather: the whole local payload reached the result

@@ -1,0 +1,130 @@
+"""What the diagnostics callbacks share: argument checks, the hook lookup, captures, logging.
+
+The callbacks only *read* what :class:`~lightning_gradcomp.hook.GradCompHook` records
+(``StepStats`` in ``hook.history``, one-shot ``captures``); they never change how compression is
+done. Everything here runs on every rank unless stated otherwise, so collectives stay aligned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_gradcomp.hook import GradCompHook, StepStats
+from lightning_gradcomp.strategy import GradCompStrategy
+
+
+def check_frequency(name: str, value: Any) -> int:
+    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_layer_list(name: str, layers: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``layers`` as a tuple of parameter names (``None`` kept), or ``ValueError`` if it is not a list of names."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not all(isinstance(layer, str) for layer in layers) or not layers:
+        raise ValueError(f"{name} must be a non-empty list of parameter names (or None), got {layers!r}")
+    return tuple(dict.fromkeys(layers))
+
+
+def require_strategy(trainer: pl.Trainer, owner: str) -> GradCompStrategy:
+    """The trainer's :class:`GradCompStrategy`, or ``TypeError`` saying which strategy to use instead."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, GradCompStrategy):
+        raise TypeError(
+            f"{owner} reads the statistics of lightning_gradcomp's compression hook and needs "
+            f"strategy=GradCompStrategy(...) (or a named one such as 'ddp_topk'); the trainer uses "
+            f"{type(strategy).__name__}"
+        )
+    return strategy
+
+
+def compressed_parameters(strategy: GradCompStrategy, pl_module: pl.LightningModule) -> dict[str, int]:
+    """``name -> numel`` of the parameters the hook compresses (the others are averaged densely).
+
+    Mirrors the hook's rule: floating point, at least ``min_compress_numel`` elements, not among
+    the strategy's dense parameters. Parameters without gradients never reach the hook.
+    """
+    named = list(pl_module.named_parameters())
+    dense = strategy.dense_parameter_names(named)
+    return {
+        name: p.numel()
+        for name, p in named
+        if p.requires_grad and p.is_floating_point() and p.numel() >= strategy.min_compress_numel and name not in dense
+    }
+
+
+def resolve_layers(
+    owner: str, layers: tuple[str, ...] | None, strategy: GradCompStrategy, pl_module: pl.LightningModule
+) -> tuple[str, ...] | None:
+    """Check chosen ``layers`` against the model at setup: every name must be a compressed parameter.
+
+    Raises ``ValueError`` listing the model's parameter names for an unknown name, and the
+    compressed ones for a parameter the hook averages densely (it is never captured).
+    """
+    if layers is None:
+        return None
+    names = [name for name, _ in pl_module.named_parameters()]
+    unknown = [layer for layer in layers if layer not in names]
+    if unknown:
+        raise ValueError(f"{owner}: unknown layers {unknown}; the model's parameters are {names}")
+    compressed = compressed_parameters(strategy, pl_module)
+    dense = [layer for layer in layers if layer not in compressed]
+    if dense:
+        raise ValueError(
+            f"{owner}: layers {dense} are averaged densely by the strategy (fewer than min_compress_numel="
+            f"{strategy.min_compress_numel} elements, in dense_parameters, or not trainable) and are never "
+            f"compressed; compressed parameters are {sorted(compressed)}"
+        )
+    return layers
+
+
+def hook_of(trainer: pl.Trainer) -> GradCompHook:
+    """The strategy's hook (it exists once the strategy has wrapped the model, from ``on_fit_start`` on)."""
+    hook = getattr(trainer.strategy, "gradcomp_hook", None)
+    if hook is None:
+        raise RuntimeError("the GradCompStrategy has no compression hook yet; is the model wrapped in DDP?")
+    return hook
+
+
+def new_steps(hook: GradCompHook, after: int) -> list[StepStats]:
+    """The recorded steps with index above ``after``, oldest first (walks the history from its end)."""
+    steps: list[StepStats] = []
+    for stats in reversed(hook.history):
+        if stats.step <= after:
+            break
+        steps.append(stats)
+    steps.reverse()
+    return steps
+
+
+def gather_vectors(trainer: pl.Trainer, pl_module: pl.LightningModule, local: list[float]) -> list[list[float]]:
+    """Every rank's list ``local`` (same length on all), in rank order: one small ``all_gather``.
+
+    Every rank must call it at the same point. float64 keeps byte counts exact up to 2**53.
+    """
+    tensor = torch.tensor(local, dtype=torch.float64, device=pl_module.device)
+    world_size = trainer.world_size
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [tensor.cpu().tolist()]
+    out = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(out, tensor)
+    return [row.cpu().tolist() for row in out]
+
+
+def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
+    """Write ``metrics`` at ``step`` to every logger of the trainer, from rank 0 only.
+
+    Straight to the loggers rather than through ``LightningModule.log``: the values are logged at
+    the callback's own frequency, whatever the trainer's ``log_every_n_steps``.
+    """
+    if trainer.is_global_zero and metrics:
+        for logger in trainer.loggers:
+            logger.log_metrics(dict(metrics), step=step)
