@@ -315,7 +315,7 @@ def _max_distribution(weights_and_probs: list[tuple[int, torch.Tensor]], world_s
     return mean, math.sqrt(max(0.0, float((pmf_max * v**2).sum()) - mean**2))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2])  # variable counts per rank: the padded allgather path
 def test_bytes_counted_on_real_ranks_match_the_expected_atoms(world_size: int) -> None:
     results = run_ranks(_exchange, world_size)
     atomo = AtomoCompressor(BUDGET)

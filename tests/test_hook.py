@@ -102,7 +102,7 @@ def _ef_bookkeeping(rank: int, world_size: int, granularity: str) -> dict:
 
 @pytest.mark.parametrize(("world_size", "granularity"), [(2, "layer"), (3, "layer"), (3, "bucket")])
 def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(world_size: int, granularity: str) -> None:
-    for r in run_ranks(_ef_bookkeeping, world_size, granularity):
+    for r in _results(world_size, f"ef/{granularity}"):
         assert r["log"], "the compressed path never ran"
         names = {e["name"] for e in r["log"]}
         assert names == {"0.weight", "2.weight"}  # biases (64, 4 elements) stay dense
@@ -130,7 +130,7 @@ def _density_one_vs_dense(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_topk_at_density_one_trains_like_dense_ddp(world_size: int) -> None:
-    for r in run_ranks(_density_one_vs_dense, world_size):
+    for r in _results(world_size, "density one"):
         for name, value in r["plain"].items():
             # same sums in another order (gathered then added vs ring allreduce): equal to rounding
             torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6)
@@ -143,7 +143,7 @@ def _no_memory_topk(rank: int, world_size: int) -> dict:
 
 
 def test_allreduce_aggregator_with_sparse_payloads_keeps_ranks_in_sync() -> None:
-    results = run_ranks(_no_memory_topk, 2)
+    results = _results(2, "no memory")
     for name, value in results[0]["weights"].items():
         assert torch.equal(results[1]["weights"][name], value)
     for s in results[0]["history"]:
@@ -167,7 +167,7 @@ def _captures(rank: int, world_size: int) -> dict:
 
 
 def test_captures_layer_stats_and_memory_norm() -> None:
-    for r in run_ranks(_captures, 2):
+    for r in _results(2, "captures"):
         assert list(r["seen"]) == [1]  # one-shot, at the first compressed step
         assert sorted(r["seen"][1]) == ["0.weight", "2.weight"]
         assert not any(s.captures for s in r["history"])  # later steps dropped it: no tensors kept
@@ -183,3 +183,23 @@ def test_captures_layer_stats_and_memory_norm() -> None:
             assert sum(layer.numel for layer in s.layers.values()) == s.numel_compressed == 2304
         expected = torch.stack([v.norm() for v in r["residuals"].values()]).norm()
         assert r["norm"] == pytest.approx(float(expected))
+
+
+def _every_case(rank: int, world_size: int) -> dict:
+    """Every workload below in one launch per world size (starting ranks costs seconds)."""
+    return {
+        "ef/layer": _ef_bookkeeping(rank, world_size, "layer"),
+        "ef/bucket": _ef_bookkeeping(rank, world_size, "bucket"),
+        "density one": _density_one_vs_dense(rank, world_size),
+        "no memory": _no_memory_topk(rank, world_size),
+        "captures": _captures(rank, world_size),
+    }
+
+
+_LAUNCHED: dict[int, list[dict]] = {}
+
+
+def _results(world_size: int, case: str) -> list[dict]:
+    if world_size not in _LAUNCHED:
+        _LAUNCHED[world_size] = run_ranks(_every_case, world_size)
+    return [ranks[case] for ranks in _LAUNCHED[world_size]]
