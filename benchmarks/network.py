@@ -6,8 +6,9 @@ link, ``GLOO_SOCKET_IFNAME``), and trains the same model on the same batches wit
 ONE launch, so the ratios between methods are comparable:
 
 * ``dense``: plain DDP (no hook); ``fp16`` and ``powersgd``: PyTorch's own comm hooks;
-* ours: the gradcomp hook with each compressor (``terngrad``, ``topk``, ``gaussiank``, ``gtopk``,
-  ``diana``, ``atomo``, ...), exactly as ``GradCompStrategy`` installs it.
+* ours: each named strategy (``ddp_terngrad``, ``ddp_topk``, ``ddp_gaussiank``, ``ddp_gtopk``,
+  ``ddp_diana``, ``ddp_atomo``, ``ddp_gradcomp_dense``) with the hook ``GradCompStrategy``
+  installs for it (``build_hook``): same compressor, memory, aggregator and defaults.
 
 Reports images/s, scaling efficiency (throughput at P / (P x single-process throughput)) and, for
 our hooks, the bytes each rank handed to collectives per step. Needs root and iproute2; it creates
@@ -36,16 +37,8 @@ from typing import Any
 SUBNET = "10.213.0"
 PORT = 29561
 
-#: Our methods: GradCompHook arguments (compressor name and kwargs, memory, aggregator).
-OURS: dict[str, dict[str, Any]] = {
-    "gradcomp-none": {"compressor": "none", "memory": "none", "aggregator": "allreduce"},
-    "terngrad": {"compressor": "terngrad", "memory": "none", "aggregator": "auto"},
-    "topk": {"compressor": "topk", "density": 0.001, "memory": "ef", "aggregator": "allgather"},
-    "gaussiank": {"compressor": "gaussiank", "density": 0.001, "memory": "ef", "aggregator": "allgather"},
-    "gtopk": {"compressor": "topk", "density": 0.001, "memory": "ef", "aggregator": "gtopk"},
-    "diana": {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather"},
-    "atomo": {"compressor": "atomo", "memory": "none", "aggregator": "allgather"},
-}
+#: Our methods: the named strategies, with the hook each installs (``GradCompStrategy.build_hook``).
+OURS = ("ddp_gradcomp_dense", "ddp_terngrad", "ddp_topk", "ddp_gaussiank", "ddp_gtopk", "ddp_diana", "ddp_atomo")
 TORCH_METHODS = ("dense", "fp16", "powersgd")
 DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
 
@@ -77,14 +70,13 @@ def _batches(rank: int, batch: int, count: int):
             for _ in range(count)]  # fmt: skip
 
 
-def _attach(method: str, ddp, model, world_size: int):
+def _attach(method: str, ddp, model):
     """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None."""
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
     import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
 
-    from lightning_gradcomp.compressors import build_compressor
-    from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-    from lightning_gradcomp.memory import build_memory
+    from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
+    from lightning_gradcomp.hook import gradcomp_comm_hook
 
     if method == "dense":
         return None
@@ -95,15 +87,7 @@ def _attach(method: str, ddp, model, world_size: int):
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
         return None
-    spec = dict(OURS[method])
-    density = spec.pop("density", None)
-    compressor = build_compressor(spec["compressor"], **({"density": density} if density is not None else {}))
-    memory_kwargs = {"variance_bound": compressor.omega} if spec["memory"] == "diana" else {}
-    aggregator = spec["aggregator"]
-    if aggregator == "auto":
-        aggregator = compressor.preferred_aggregator(world_size)
-    hook = GradCompHook(compressor, build_memory(spec["memory"], **memory_kwargs), aggregator,
-                        {id(p): n for n, p in model.named_parameters()}, warmup_steps=1)  # fmt: skip
+    hook = GradCompStrategy(**NAMED_STRATEGIES[method][1]).build_hook(model)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     return hook
 
@@ -125,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
         model = build_model(args.width)
         ddp = DistributedDataParallel(model)
         try:
-            hook = _attach(method, ddp, model, world)
+            hook = _attach(method, ddp, model)
         except (ValueError, KeyError) as err:
             results.append(Result(method, 0.0, 0.0, None, None, note=f"skipped: {err}"))
             continue

@@ -242,24 +242,32 @@ class GradCompStrategy(DDPStrategy):
             return self.compressor.preferred_aggregator(world_size)
         return self.aggregator_name
 
-    def _register_ddp_hooks(self) -> None:
-        """Attach the compression hook, whatever the device (the parent does so only on CUDA)."""
-        assert isinstance(self.model, DistributedDataParallel)
-        named = list(self.model.module.named_parameters())
-        names = {id(p): name for name, p in named}
-        self._check_settings_agree(named)
-        self.gradcomp_hook = GradCompHook(
+    def build_hook(self, module: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None) -> GradCompHook:
+        """The hook this strategy installs for ``module``'s parameters over ``group`` (default: the world).
+
+        Also the way to use the strategy's settings with a hand-made ``DistributedDataParallel``:
+        ``ddp.register_comm_hook(strategy.build_hook(model), gradcomp_comm_hook)``.
+        """
+        named = list(module.named_parameters())
+        world_size = torch.distributed.get_world_size(group)
+        return GradCompHook(
             compressor=self.compressor,
             memory=self.memory,
-            aggregator=self.resolved_aggregator(self.world_size),
-            param_names=names,
+            aggregator=self.resolved_aggregator(world_size),
+            param_names={id(p): name for name, p in named},
             granularity=self.granularity,
             warmup_steps=self.warmup_steps,
             min_compress_numel=self.min_compress_numel,
             dense_names=self.dense_parameter_names(named),
             seed=self.seed,
-            group=self.model.process_group,
+            group=group,
         )
+
+    def _register_ddp_hooks(self) -> None:
+        """Attach the compression hook, whatever the device (the parent does so only on CUDA)."""
+        assert isinstance(self.model, DistributedDataParallel)
+        self._check_settings_agree(list(self.model.module.named_parameters()))
+        self.gradcomp_hook = self.build_hook(self.model.module, self.model.process_group)
         if self._pending_hook_state is not None:
             self.gradcomp_hook.load_state_dict(self._pending_hook_state)
             self._pending_hook_state = None
