@@ -5,7 +5,8 @@ Builds a star of P network namespaces joined through a bridge, each link shaped 
 link, ``GLOO_SOCKET_IFNAME``), and trains the same model on the same batches with every method in
 ONE launch, so the ratios between methods are comparable:
 
-* ``dense``: plain DDP (no hook); ``fp16`` and ``powersgd``: PyTorch's own comm hooks;
+* ``dense``: plain DDP (no hook); ``fp16`` and ``powersgd``: PyTorch's own comm hooks (PowerSGD
+  at rank 4), each bucket completed inside the hook as ours are (see ``_completed``);
 * ours: each named strategy (``ddp_terngrad``, ``ddp_topk``, ``ddp_gaussiank``, ``ddp_gtopk``,
   ``ddp_diana``, ``ddp_atomo``, ``ddp_gradcomp_dense``) with the hook ``GradCompStrategy``
   installs for it (``build_hook``): same compressor, memory, aggregator and defaults.
@@ -70,6 +71,24 @@ def _batches(rank: int, batch: int, count: int):
             for _ in range(count)]  # fmt: skip
 
 
+def _completed(hook):
+    """``hook`` with each bucket's future waited for before the next bucket starts.
+
+    PyTorch's fp16 and PowerSGD hooks chain further collectives from gloo's callback threads;
+    with several buckets on 4 ranks those are issued in different orders on different ranks and
+    gloo aborts ("Received data size doesn't match expected size"). Completing each bucket in
+    the hook, as the gradcomp hook does, keeps the order identical on every rank.
+    """
+
+    def completed_hook(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    completed_hook.__qualname__ = f"completed_{hook.__name__}"
+    return completed_hook
+
+
 def _attach(method: str, ddp, model):
     """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None."""
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
@@ -81,11 +100,11 @@ def _attach(method: str, ddp, model):
     if method == "dense":
         return None
     if method == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, _completed(default_hooks.fp16_compress_hook))
         return None
     if method == "powersgd":
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        ddp.register_comm_hook(state, _completed(powersgd.powerSGD_hook))
         return None
     hook = GradCompStrategy(**NAMED_STRATEGIES[method][1]).build_hook(model)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
