@@ -19,7 +19,10 @@ from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompresso
             r"compressor must be one of \[.*\] or a Compressor instance, got 'terngrad2'",
         ),
         ({"memory": "residual"}, r"memory must be one of \['diana', 'ef', 'none'\], got 'residual'"),
-        ({"aggregator": "ring"}, r"aggregator must be one of \['allgather', 'allreduce', 'gtopk', 'auto'\], got 'ring'"),
+        (
+            {"aggregator": "ring"},
+            r"aggregator must be one of \['allgather', 'allreduce', 'gtopk', 'auto'\], got 'ring'",
+        ),
         ({"granularity": "model"}, r"granularity must be one of \['layer', 'bucket'\], got 'model'"),
         ({"density": 0.0}, r"density must be a number in \(0, 1\], got 0.0"),
         ({"density": -1}, r"density must be a number in \(0, 1\], got -1"),
