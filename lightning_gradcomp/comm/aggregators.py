@@ -116,15 +116,15 @@ class AllgatherAggregator(Aggregator):
         offsets = [0] * world
         for i, c in enumerate(contributions):
             shape, dtype = c.payload.shape, c.payload.dtype
-            total = torch.zeros(shape.numel(), dtype=dtype, device=local.device)
+            payloads = []
             for r in range(world):
                 size = unit_sizes[r][i]
                 if r == rank:
-                    payload = c.payload
+                    payloads.append(c.payload)
                 else:
-                    payload = c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype)
+                    payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
                 offsets[r] += size
-                c.codec.accumulate(payload, total)
+            total = c.codec.accumulate_all(payloads, torch.zeros(shape.numel(), dtype=dtype, device=local.device))
             results.append(Aggregate(total.div_(world), c.codec.decompress(c.payload)))
         return results
 

@@ -16,6 +16,7 @@ Two optional capabilities serve the allreduce aggregator:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -76,6 +77,16 @@ class Compressor(ABC):
     @abstractmethod
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         """Add the decompressed payload into the flat tensor ``out`` in place and return it."""
+
+    def accumulate_all(self, payloads: Sequence[Payload], out: Tensor) -> Tensor:
+        """Add every rank's payload (in rank order) into ``out``: how the allgather aggregator decodes.
+
+        Default: one :meth:`accumulate` per payload. A compressor may sum in a cheaper domain
+        (TernGrad adds integer codes under a shared scaler and multiplies once).
+        """
+        for payload in payloads:
+            self.accumulate(payload, out)
+        return out
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int | None:
         """Wire size of any payload for this input, when it depends on nothing else; else ``None``.

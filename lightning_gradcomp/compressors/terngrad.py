@@ -17,6 +17,7 @@ ternary tensors is ``s * sum(codes) / P`` and the integer codes can be summed by
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -125,23 +126,28 @@ class TernGradCompressor(Compressor):
         return payload.dense(working_dtype(payload.dtype)).to(payload.dtype)
 
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
-        """Add ``codes * s`` into ``out``, keeping a running sum of codes correctly rounded.
-
-        When ``out`` holds ``round(n * s)`` for integers ``n`` (all earlier payloads had the same
-        scaler, as under scaler sharing), the result is ``round((n + c) * s)``: the allgather
-        aggregator then ends with ``round(sum(codes) * s) / P``, bit for bit what :meth:`from_sum`
-        computes from the allreduced codes. Other elements (scalers that differ across ranks) get
-        the plain sum ``out + c * s``, rounded once; an all-zero scaler adds nothing.
-        """
+        """Add ``codes * s`` into ``out``, computed in fp32 (fp64 for fp64) and rounded once."""
         assert isinstance(payload, TernaryPayload)
         work = working_dtype(out.dtype)
-        scale = payload.scales[0].to(work)
-        current = out.to(work)
-        count = torch.round(current / scale)
-        on_grid = (count * scale).to(out.dtype) == out
-        exact = (count + payload.codes) * scale
-        plain = current + payload.codes * scale
-        return out.copy_(torch.where(on_grid, exact, plain))
+        return out.copy_(out.to(work) + payload.codes.to(work) * payload.scales[0].to(work))
+
+    def accumulate_all(self, payloads: Sequence[Payload], out: Tensor) -> Tensor:
+        """Every rank's codes summed as integers, times the shared scaler, rounded once.
+
+        Under one shared scaler ``S`` this is ``round(sum(codes) * S)``, the same arithmetic as
+        :meth:`from_sum` on the allreduced codes, so both aggregation paths give identical averages;
+        it also costs one integer add per rank instead of a floating-point pass. With per-rank
+        scalers each payload is added on its own.
+        """
+        first = payloads[0]
+        assert isinstance(first, TernaryPayload)
+        if not all(isinstance(p, TernaryPayload) and torch.equal(p.scales, first.scales) for p in payloads[1:]):
+            return super().accumulate_all(payloads, out)
+        total = first.codes.to(torch.int32)
+        for payload in payloads[1:]:
+            total += payload.codes
+        work = working_dtype(out.dtype)
+        return out.copy_(out.to(work) + total.to(work) * first.scales[0].to(work))
 
     @property
     def summable_across_ranks(self) -> bool:
