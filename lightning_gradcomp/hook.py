@@ -228,8 +228,12 @@ class GradCompHook:
         for device, gen_state in state["generators"].items():
             self.generator(torch.device(device)).set_state(gen_state)
 
-    def __call__(self, bucket: dist.GradBucket) -> Tensor:
-        """Average ``bucket`` across ranks (compressed after the warm-up); returns the bucket's buffer."""
+    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """Average ``bucket`` across ranks (compressed after the warm-up): a future of the bucket's buffer.
+
+        Compressed buckets complete inside the call; dense ones (warm-up, identity baseline) return
+        the allreduce's future, so they overlap the rest of the backward pass as under plain DDP.
+        """
         buffer = bucket.buffer()
         if self._current is None:
             self.counter.reset()
@@ -242,12 +246,15 @@ class GradCompHook:
 
         if stats.compressed and not self._dense_only:
             self._compress_bucket(bucket, stats)
+            future: torch.futures.Future[Tensor] = torch.futures.Future()
+            future.set_result(buffer)
         else:
-            self.collectives.all_reduce_(buffer.mul_(1.0 / self.world_size))
+            # DDP's own path: scaled in place, reduced while the backward pass goes on
+            future = self.collectives.all_reduce_async(buffer.mul_(1.0 / self.world_size))
 
         if bucket.is_last():
             self._finish_step(stats)
-        return buffer
+        return future
 
     def _compress_bucket(self, bucket: dist.GradBucket, stats: StepStats) -> None:
         params = bucket.parameters()
@@ -389,6 +396,4 @@ class GradCompHook:
 
 def gradcomp_comm_hook(state: GradCompHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: compress, aggregate and average ``bucket`` with ``state``."""
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(state(bucket))
-    return future
+    return state(bucket)

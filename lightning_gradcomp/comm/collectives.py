@@ -35,6 +35,17 @@ class Collectives:
         self.counter.record(nbytes, nbytes, time.perf_counter() - start)
         return tensor
 
+    def all_reduce_async(self, tensor: Tensor) -> torch.futures.Future[Tensor]:
+        """Sum ``tensor`` in place across ranks without waiting: a future of the reduced tensor.
+
+        The bytes are counted at launch; the time overlaps the backward pass (as DDP's own
+        allreduce does) and is not attributed.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self.counter.record(nbytes, nbytes, 0.0)
+        return work.get_future().then(lambda done: done.value()[0])
+
     def all_gather(self, tensor: Tensor) -> Tensor:
         """Gather equal-size 1-D tensors: row ``r`` of the result is rank ``r``'s tensor.
 
