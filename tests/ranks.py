@@ -85,3 +85,15 @@ def run_ranks(
                 f"ranks failed (hung past {timeout} s: {hung}; exit codes {[p.exitcode for p in procs]})\n{details}"
             )
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+_LAUNCHED: dict[tuple[str, int], list[Any]] = {}
+
+
+def run_ranks_once(fn: Callable[..., Any], world_size: int) -> list[Any]:
+    """``run_ranks(fn, world_size)``, launched once per test session: for workers that run several
+    independent cases, each read by its own test (starting ranks costs seconds)."""
+    key = (f"{fn.__module__}.{fn.__qualname__}", world_size)
+    if key not in _LAUNCHED:
+        _LAUNCHED[key] = run_ranks(fn, world_size)
+    return _LAUNCHED[key]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import run_ranks
+from ranks import run_ranks_once
 
 from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
 from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
@@ -51,13 +51,8 @@ def _every_case(rank: int, world_size: int) -> dict:
     }
 
 
-_LAUNCHED: dict[int, list[dict]] = {}
-
-
 def _results(world_size: int, case: str) -> list[dict]:
-    if world_size not in _LAUNCHED:
-        _LAUNCHED[world_size] = run_ranks(_every_case, world_size)
-    return [ranks[case] for ranks in _LAUNCHED[world_size]]
+    return [ranks[case] for ranks in run_ranks_once(_every_case, world_size)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

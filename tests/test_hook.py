@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from models import teacher_task
-from ranks import run_ranks
+from ranks import run_ranks_once
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -196,10 +196,5 @@ def _every_case(rank: int, world_size: int) -> dict:
     }
 
 
-_LAUNCHED: dict[int, list[dict]] = {}
-
-
 def _results(world_size: int, case: str) -> list[dict]:
-    if world_size not in _LAUNCHED:
-        _LAUNCHED[world_size] = run_ranks(_every_case, world_size)
-    return [ranks[case] for ranks in _LAUNCHED[world_size]]
+    return [ranks[case] for ranks in run_ranks_once(_every_case, world_size)]

@@ -8,7 +8,7 @@ collective (plus one exchange of sizes when payload sizes vary across ranks).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,19 +84,8 @@ class AllgatherAggregator(Aggregator):
 
     name = "allgather"
 
-    def __init__(self) -> None:
-        self._dense = AllreduceAggregator()
-
     def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
-        results: list[Aggregate | None] = [None] * len(contributions)
-        dense = [i for i, c in enumerate(contributions) if isinstance(c.codec, IdentityCompressor)]
-        gathered = [i for i, c in enumerate(contributions) if not isinstance(c.codec, IdentityCompressor)]
-        for positions, aggregate in ((dense, self._dense.aggregate), (gathered, self._gather)):
-            if positions:
-                outcome = aggregate([contributions[i] for i in positions], collectives)
-                for i, result in zip(positions, outcome, strict=True):
-                    results[i] = result
-        return results  # type: ignore[return-value]
+        return aggregate_dense_apart(contributions, collectives, self._gather)
 
     def _gather(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
         world, rank = collectives.world_size, collectives.rank
@@ -127,6 +116,24 @@ class AllgatherAggregator(Aggregator):
             total = c.codec.accumulate_all(payloads, torch.zeros(shape.numel(), dtype=dtype, device=local.device))
             results.append(Aggregate(total.div_(world), c.codec.decompress(c.payload)))
         return results
+
+
+def aggregate_dense_apart(
+    contributions: Sequence[Contribution],
+    collectives: Collectives,
+    compressed: Callable[[Sequence[Contribution], Collectives], list[Aggregate]],
+) -> list[Aggregate]:
+    """Route the identity compressor's contributions (tensors left dense) to one allreduce, the rest to
+    ``compressed``, and return the results in the contributions' order."""
+    results: list[Aggregate | None] = [None] * len(contributions)
+    dense = [i for i, c in enumerate(contributions) if isinstance(c.codec, IdentityCompressor)]
+    others = [i for i, c in enumerate(contributions) if not isinstance(c.codec, IdentityCompressor)]
+    for positions, aggregate in ((dense, AllreduceAggregator().aggregate), (others, compressed)):
+        if positions:
+            outcome = aggregate([contributions[i] for i in positions], collectives)
+            for i, result in zip(positions, outcome, strict=True):
+                results[i] = result
+    return results  # type: ignore[return-value]
 
 
 AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (AllreduceAggregator, AllgatherAggregator)}

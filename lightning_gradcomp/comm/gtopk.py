@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, AllreduceAggregator, Contribution
+from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, Contribution, aggregate_dense_apart
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.compressors import IdentityCompressor, SparsePayload
 from lightning_gradcomp.compressors.sparse import index_dtype, itemsize
@@ -236,15 +236,10 @@ class GTopKAggregator(Aggregator):
 
     name = "gtopk"
 
-    def __init__(self) -> None:
-        self._dense = AllreduceAggregator()
-
     def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
-        dense, sparse = [], []
-        for i, c in enumerate(contributions):
+        for c in contributions:
             if isinstance(c.codec, IdentityCompressor):
-                dense.append(i)
-                continue
+                continue  # left dense: all-reduced apart
             if not c.codec.sparse:
                 raise ValueError(
                     f"gtopk merges sparse payloads; compressor {type(c.codec).__name__} is not sparse "
@@ -253,14 +248,7 @@ class GTopKAggregator(Aggregator):
             _density(c.codec)
             if not isinstance(c.payload, SparsePayload):
                 raise ValueError(f"gtopk needs SparsePayload contributions, got {type(c.payload).__name__}")
-            sparse.append(i)
-        results: list[Aggregate | None] = [None] * len(contributions)
-        for positions, aggregate in ((dense, self._dense.aggregate), (sparse, self._global_topk)):
-            if positions:
-                outcome = aggregate([contributions[i] for i in positions], collectives)
-                for i, result in zip(positions, outcome, strict=True):
-                    results[i] = result
-        return results  # type: ignore[return-value]
+        return aggregate_dense_apart(contributions, collectives, self._global_topk)
 
     def _global_topk(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
         world, rank = collectives.world_size, collectives.rank
