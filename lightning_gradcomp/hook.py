@@ -1,20 +1,29 @@
-"""One DDP communication hook: bucket -> memory -> compressor -> aggregator -> memory -> bucket.
+"""One DDP communication hook: bucket -> units -> memory -> compressor -> aggregator -> memory -> bucket.
 
-For each gradient bucket DDP hands over, :class:`GradCompHook`
+A gradient's trip through :class:`GradCompHook`, top to bottom:
 
-1. splits the bucket into *units*: one per parameter (``granularity="layer"``) or one for all
-   compressed parameters of the bucket (``"bucket"``); parameters smaller than
-   ``min_compress_numel`` form one dense unit that is averaged exactly;
-2. asks the memory for the tensor to compress (``grad + residual`` under error feedback);
-3. compresses each unit (a one-parameter unit in the parameter's shape), after agreeing on
-   shared scales with one MAX allreduce when the compressor asks for them;
-4. aggregates all units of the bucket in one go (one collective, plus a size exchange when
-   sizes vary across ranks);
-5. asks the memory for the gradient estimate (``reconstruct``) and hands it what was sent
-   (``update``), then writes the averaged gradient back into the bucket.
+1. DDP hands over a bucket. The bucket is only a delivery: its gradients are filed into the
+   *units* planned from the parameters alone (:mod:`lightning_gradcomp.units`: one per parameter,
+   ``granularity="layer"``; the whole model, ``"model"``; size-capped groups, ``"group"``;
+   parameters smaller than ``min_compress_numel`` or kept dense form dense units). The bucket's
+   future stays open until every unit touching it is done, so what is compressed together, and
+   how it is summed, never depends on DDP's bucket layout, which changes after the first step
+   and again after every restart.
+2. Once all of a unit's gradients have arrived, the memory hands over the tensor to compress
+   (``grad + residual`` under error feedback, ``grad - h_i`` under DIANA).
+3. Units whose compressor shares a scale agree on it with one MAX allreduce.
+4. Each compressed unit is compressed with its own random stream, a pure function of
+   (seed, rank, step, unit) (:mod:`lightning_gradcomp.randomness`).
+5. All units completed by this bucket are aggregated in one go (one collective, plus a size
+   exchange when sizes vary across ranks); a float sum gets a collective of its own, so its
+   summation order is fixed by its unit, not by which units happen to travel with it.
+6. The memory turns the average into the gradient estimate (``reconstruct``) and moves on with
+   what was sent (``update``); the estimate is written back into the bucket, and every bucket
+   whose units are all done has its future completed.
 
 During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does, and so
-is every step of the identity compressor without memory (the dense baseline).
+is every step of the identity compressor without memory (the dense baseline): on those steps the
+hook *is* DDP, bucket layout included.
 
 Non-finite gradients: the average is returned as is (NaN/Inf reach the optimizer exactly as under
 plain DDP, so AMP's GradScaler skips the step), and the memory update of every unit whose average
@@ -34,8 +43,10 @@ from torch import Tensor
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload
 from lightning_gradcomp.memory import Memory, NoMemory
+from lightning_gradcomp.randomness import UnitStreams
+from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
 
-GRANULARITIES = ("layer", "bucket")
+__all__ = ["GRANULARITIES", "Capture", "GradCompHook", "LayerStats", "StepStats", "gradcomp_comm_hook"]
 
 
 @dataclass
@@ -107,35 +118,21 @@ class Capture:
     sent: Tensor
 
 
-@dataclass(frozen=True)
-class _Unit:
-    """Parameters (positions in the bucket) that are compressed together, or sent dense."""
-
-    positions: tuple[int, ...]
-    names: tuple[str, ...]
-    numels: tuple[int, ...]
-    compressed: bool
-    shape: torch.Size  # the parameter's shape for a one-parameter unit, else the flat length
-
-
-@dataclass
-class _BucketPlan:
-    units: list[_Unit] = field(default_factory=list)
-
-
 class GradCompHook:
     """State and logic of the compression hook; register it with :func:`gradcomp_comm_hook`.
 
     Args:
         compressor: compresses each unit.
-        memory: per-parameter state (none, error feedback).
-        aggregator: ``"allreduce"`` or ``"allgather"`` (or an :class:`Aggregator`).
-        param_names: ``id(parameter) -> name`` for the DDP-wrapped module's parameters.
-        granularity: ``"layer"`` (one unit per parameter) or ``"bucket"`` (one per bucket).
+        memory: per-parameter state (none, error feedback, DIANA).
+        aggregator: ``"allreduce"``, ``"allgather"``, ``"gtopk"`` (or an :class:`Aggregator`).
+        named_parameters: ``(name, parameter)`` of the DDP-wrapped module, as ``named_parameters()``
+            gives them; the units are planned from them.
+        granularity: ``"layer"``, ``"model"`` or ``"group"`` (see :mod:`lightning_gradcomp.units`).
+        unit_cap_mb: size cap of a ``"group"`` unit and of a dense unit.
         warmup_steps: steps averaged densely, as DDP would, before compression starts.
         min_compress_numel: parameters with fewer elements are averaged densely.
         dense_names: names of further parameters averaged densely (e.g. the logits layer).
-        seed: base seed of the compressor's generator; rank ``r`` uses ``seed * 65537 + r``.
+        seed: base seed of the units' random streams (see :mod:`lightning_gradcomp.randomness`).
         group: the process group (default: the world).
         history: how many :class:`StepStats` to keep.
     """
@@ -145,8 +142,9 @@ class GradCompHook:
         compressor: Compressor,
         memory: Memory,
         aggregator: "str | Aggregator",
-        param_names: dict[int, str],
+        named_parameters: "list[tuple[str, torch.nn.Parameter]]",
         granularity: str = "layer",
+        unit_cap_mb: float = DEFAULT_UNIT_CAP_MB,
         warmup_steps: int = 1,
         min_compress_numel: int = 1024,
         dense_names: frozenset[str] = frozenset(),
@@ -154,33 +152,31 @@ class GradCompHook:
         group: dist.ProcessGroup | None = None,
         history: int = 10_000,
     ) -> None:
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
         if isinstance(aggregator, str):
             if aggregator not in AGGREGATORS:
                 raise ValueError(f"aggregator must be one of {sorted(AGGREGATORS)}, got {aggregator!r}")
             aggregator = AGGREGATORS[aggregator]()
+        named_parameters = list(named_parameters)
         self.compressor = compressor
         self.memory = memory
         self.aggregator = aggregator
-        self.param_names = param_names
         self.granularity = granularity
+        self.units = plan_units(named_parameters, granularity, min_compress_numel, dense_names, unit_cap_mb)
         self.warmup_steps = warmup_steps
-        self.min_compress_numel = min_compress_numel
-        self.dense_names = dense_names
         self.seed = seed
         self.counter = CommCounter()
         self.collectives = Collectives(group, self.counter)
         self.world_size = self.collectives.world_size
         self.rank = self.collectives.rank
+        self.streams = UnitStreams(seed, self.rank)
         self.step = 0
         self.calls = 0
         self.history: deque[StepStats] = deque(maxlen=history)
+        self._names = {id(p): name for name, p in named_parameters}
+        self._assembler = UnitAssembler(self.units)
         self._dense = IdentityCompressor()
         # identity compressor, no memory: DDP's own in-place scaled allreduce of the bucket, no copies
         self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory)
-        self._plans: dict[tuple[int, ...], _BucketPlan] = {}
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._current: StepStats | None = None
         self.track_layers = False
         self._capture: frozenset[str] = frozenset()
@@ -208,31 +204,20 @@ class GradCompHook:
         """Whether the warm-up is over."""
         return self.step >= self.warmup_steps
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """This rank's generator on ``device``, seeded ``seed * 65537 + rank``: reproducible, distinct per rank."""
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed * 65537 + self.rank)
-        return self._generators[device]
-
     def state_dict(self) -> dict:
-        """What must survive a restart besides the memory: the step counter and the generators' states."""
-        return {
-            "step": self.step,
-            "generators": {str(device): gen.get_state() for device, gen in self._generators.items()},
-        }
+        """What must survive a restart besides the memory: the step counter (random streams derive from it)."""
+        return {"step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (generators are recreated on their devices)."""
+        """Restore :meth:`state_dict`'s output (generator states of older checkpoints are not needed)."""
         self.step = int(state["step"])
-        self._generators = {}
-        for device, gen_state in state["generators"].items():
-            self.generator(torch.device(device)).set_state(gen_state)
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         """Average ``bucket`` across ranks (compressed after the warm-up): a future of the bucket's buffer.
 
-        Compressed buckets complete inside the call; dense ones (warm-up, identity baseline) return
-        the allreduce's future, so they overlap the rest of the backward pass as under plain DDP.
+        A compressed bucket's future completes once every unit it holds a part of is done (at the
+        latest with the last bucket); dense steps (warm-up, identity baseline) return the allreduce's
+        future, so they overlap the rest of the backward pass as under plain DDP.
         """
         buffer = bucket.buffer()
         if self._current is None:
@@ -245,9 +230,15 @@ class GradCompHook:
         self.calls += 1
 
         if stats.compressed and not self._dense_only:
-            self._compress_bucket(bucket, stats)
             future: torch.futures.Future[Tensor] = torch.futures.Future()
-            future.set_result(buffer)
+            grads = [g.reshape(-1) for g in bucket.gradients()]
+            ready = self._assembler.deliver(self._bucket_names(bucket), grads, future, buffer)
+            if ready:
+                self._exchange(ready, stats)
+            for finished, result in self._assembler.done([unit for unit, _ in ready]):
+                finished.set_result(result)
+            if bucket.is_last():
+                self._assembler.end_step()
         else:
             # DDP's own path: scaled in place, reduced while the backward pass goes on
             future = self.collectives.all_reduce_async(buffer.mul_(1.0 / self.world_size))
@@ -256,33 +247,37 @@ class GradCompHook:
             self._finish_step(stats)
         return future
 
-    def _compress_bucket(self, bucket: dist.GradBucket, stats: StepStats) -> None:
-        params = bucket.parameters()
-        grads = [g.reshape(-1) for g in bucket.gradients()]
-        plan = self._plan(params)
+    def _bucket_names(self, bucket: dist.GradBucket) -> list[str]:
+        try:
+            return [self._names[id(p)] for p in bucket.parameters()]
+        except KeyError:
+            raise RuntimeError("a bucket holds a parameter that is not in the module given to the hook") from None
 
+    def _exchange(self, ready: list[tuple[Unit, list[Tensor]]], stats: StepStats) -> None:
+        """Compress, aggregate and write back the units that are complete, all in one aggregation."""
         start = time.perf_counter()
         inputs: list[list[Tensor]] = []
         tensors: list[Tensor] = []
-        for unit in plan.units:
+        for unit, grads in ready:
             if unit.compressed:
-                parts = [self.memory.compensate(n, grads[p]) for n, p in zip(unit.names, unit.positions, strict=True)]
+                parts = [self.memory.compensate(n, g) for n, g in zip(unit.names, grads, strict=True)]
             else:
-                parts = [grads[p] for p in unit.positions]
+                parts = grads
             inputs.append(parts)
             tensors.append(parts[0].view(unit.shape) if len(parts) == 1 else torch.cat(parts))
-        scales = self._shared_scales(plan, tensors)
+        scales = self._shared_scales([unit for unit, _ in ready], tensors)
         contributions = []
-        for unit, x in zip(plan.units, tensors, strict=True):
+        for (unit, _), x in zip(ready, tensors, strict=True):
             if unit.compressed:
-                payload = self.compressor.compress(x, self.generator(x.device), scales.pop(0) if scales else None)
+                generator = self.streams.generator(x.device, self.step, unit.key)
+                payload = self.compressor.compress(x, generator, scales.get(unit.index))
                 contributions.append(Contribution(self.compressor, payload))
                 selected = payload.k if isinstance(payload, SparsePayload) else None
                 stats.numel_compressed += x.numel()
                 stats.payload_bytes += payload.nbytes
                 stats.selected += selected or 0
                 if self.track_layers:
-                    stats.layers["+".join(unit.names)] = LayerStats(x.numel(), payload.nbytes, selected)
+                    stats.layers[unit.label] = LayerStats(x.numel(), payload.nbytes, selected)
             else:
                 contributions.append(Contribution(self._dense, self._dense.compress(x)))
         compressed_at = time.perf_counter()
@@ -290,7 +285,7 @@ class GradCompHook:
 
         aggregates = self.aggregator.aggregate(contributions, self.collectives)
 
-        for unit, parts, contribution, agg in zip(plan.units, inputs, contributions, aggregates, strict=True):
+        for (unit, grads), parts, contribution, agg in zip(ready, inputs, contributions, aggregates, strict=True):
             means = agg.mean.split(unit.numels)
             if unit.compressed:
                 sents = agg.sent.split(unit.numels)
@@ -299,14 +294,14 @@ class GradCompHook:
                 # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.
                 if bool(torch.isfinite(agg.mean).all()):
                     for name, part, sent, mean in zip(unit.names, parts, sents, means, strict=True):
-                        self.memory.update(name, part, sent, mean)
+                        self.memory.update(name, part, sent, mean, unit_numel=unit.numel)
                 else:
                     stats.nonfinite_units += 1
                 if self._capture.intersection(unit.names):
                     self._record_capture(stats, unit, parts, grads, contribution, sents)
                 means = outputs
-            for position, mean in zip(unit.positions, means, strict=True):
-                grads[position].copy_(mean)
+            for grad, mean in zip(grads, means, strict=True):
+                grad.copy_(mean)
         done = time.perf_counter()
         communicate = self.counter.seconds - comm_before
         stats.seconds_compress += compressed_at - start
@@ -316,70 +311,29 @@ class GradCompHook:
     def _record_capture(
         self,
         stats: StepStats,
-        unit: _Unit,
+        unit: Unit,
         parts: list[Tensor],
         grads: list[Tensor],
         contribution: Contribution,
         sents: "tuple[Tensor, ...]",
     ) -> None:
         compressed = self.compressor.decompress(contribution.payload).split(unit.numels)
-        for name, position, part, local, sent in zip(unit.names, unit.positions, parts, compressed, sents, strict=True):
+        for name, grad, part, local, sent in zip(unit.names, grads, parts, compressed, sents, strict=True):
             if name in self._capture:
-                stats.captures[name] = Capture(grads[position].clone(), part.clone(), local.clone(), sent.clone())
+                stats.captures[name] = Capture(grad.clone(), part.clone(), local.clone(), sent.clone())
         self._capture = self._capture.difference(stats.captures)
 
-    def _shared_scales(self, plan: _BucketPlan, tensors: list[Tensor]) -> list[Tensor]:
-        """The MAX over ranks of each compressed unit's local scale: one small collective per bucket."""
+    def _shared_scales(self, units: list[Unit], tensors: list[Tensor]) -> dict[int, Tensor]:
+        """The MAX over ranks of each compressed unit's local scale, by unit index: one small collective."""
         if not self.compressor.shares_scale:
-            return []
-        local = [self.compressor.local_scale(x) for unit, x in zip(plan.units, tensors, strict=True) if unit.compressed]
+            return {}
+        pairs = zip(units, tensors, strict=True)
+        local = {unit.index: self.compressor.local_scale(x) for unit, x in pairs if unit.compressed}
         if not local:
-            return []
-        stacked = torch.stack([scale.float() for scale in local])
+            return {}
+        stacked = torch.stack([scale.float() for scale in local.values()])
         self.collectives.all_reduce_(stacked, op=dist.ReduceOp.MAX)
-        return list(stacked.unbind())
-
-    def _plan(self, params: list[Tensor]) -> _BucketPlan:
-        key = tuple(id(p) for p in params)
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        names = []
-        for p in params:
-            if id(p) not in self.param_names:
-                raise RuntimeError("a bucket holds a parameter that is not in the module given to the hook")
-            names.append(self.param_names[id(p)])
-        flags = [
-            p.numel() >= self.min_compress_numel and p.is_floating_point() and name not in self.dense_names
-            for p, name in zip(params, names, strict=True)
-        ]
-        if self.granularity == "layer":
-            # Bucket order, consecutive dense parameters merged: the concatenated units then have
-            # the bucket's layout, so a dense allreduce sums every element as DDP's would.
-            groups: list[tuple[list[int], bool]] = []
-            for i, flag in enumerate(flags):
-                if not flag and groups and not groups[-1][1]:
-                    groups[-1][0].append(i)
-                else:
-                    groups.append(([i], flag))
-        else:
-            groups = [([i for i, f in enumerate(flags) if f], True), ([i for i, f in enumerate(flags) if not f], False)]
-        plan = _BucketPlan()
-        for positions, flag in groups:
-            if positions:
-                plan.units.append(
-                    _Unit(
-                        positions=tuple(positions),
-                        names=tuple(names[i] for i in positions),
-                        numels=tuple(params[i].numel() for i in positions),
-                        compressed=flag,
-                        shape=params[positions[0]].shape
-                        if len(positions) == 1
-                        else torch.Size([sum(params[i].numel() for i in positions)]),
-                    )
-                )
-        self._plans[key] = plan
-        return plan
+        return dict(zip(local, stacked.unbind(), strict=True))
 
     def _finish_step(self, stats: StepStats) -> None:
         stats.bytes_sent = self.counter.bytes_sent

@@ -5,10 +5,12 @@ The hook calls, for each compressed parameter ``name`` and step:
 1. ``x = memory.compensate(name, grad)``: the tensor handed to the compressor;
 2. ``memory.reconstruct(name, mean)``: after aggregation, the gradient the optimizer sees, from
    the averaged result ``mean`` and the state as it was before this step;
-3. ``memory.update(name, x, sent, mean)``: then the state moves on, with ``sent`` the dense form
-   of what of this rank's payload reached the global result.
+3. ``memory.update(name, x, sent, mean, unit_numel=n)``: then the state moves on, with ``sent``
+   the dense form of what of this rank's payload reached the global result, and ``n`` the size of
+   the unit the parameter was compressed in (constants such as DIANA's ``alpha`` follow the unit
+   as it was compressed, not the parameter).
 
-State is keyed by parameter name because DDP rebuilds its buckets after the first iteration.
+State is keyed by parameter name: units are made of parameters, and DDP's buckets change.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ class Memory(ABC):
         """The tensor to compress for parameter ``name`` this step (``grad`` is flat)."""
 
     @abstractmethod
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor) -> None:
-        """Record what happened to ``compensated``: ``sent`` reached the result, averaged to ``mean``."""
+    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
+        """Record what happened to ``compensated``: ``sent`` reached the result, averaged to ``mean``.
+
+        ``unit_numel`` is the size of the unit ``name`` was compressed in (``None``: the parameter alone).
+        """
 
     def reconstruct(self, name: str, mean: Tensor) -> Tensor:
         """The gradient estimate for the optimizer from the aggregated ``mean``."""
@@ -52,7 +57,8 @@ class Memory(ABC):
 
     @abstractmethod
     def state_dict(self) -> dict[str, Tensor]:
-        """This rank's state, by parameter name."""
+        """This rank's state, by parameter name: the live tensors, as ``nn.Module.state_dict`` gives
+        them (clone them to keep a snapshot), so that saving costs no copy of a model-sized state."""
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -67,7 +73,7 @@ class NoMemory(Memory):
     def compensate(self, name: str, grad: Tensor) -> Tensor:
         return grad
 
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor) -> None:
+    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
         return None
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -102,7 +108,7 @@ class ErrorFeedback(Memory):
             )
         return grad + residual
 
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor) -> None:
+    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
         if not bool(torch.isfinite(compensated).all()):
             return  # a NaN/Inf that was never sent must not sit in the residual forever
         residual = self._residuals.get(name)
@@ -119,7 +125,7 @@ class ErrorFeedback(Memory):
         return self._residuals.get(name)
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {name: r.clone() for name, r in self._residuals.items()}
+        return dict(self._residuals)
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         self._residuals = {name: r.clone() for name, r in state.items()}
@@ -157,20 +163,26 @@ class Diana(Memory):
         self.variance_bound = variance_bound
         self._local: dict[str, Tensor] = {}
         self._global: dict[str, Tensor] = {}
-        self._alphas: dict[str, float] = {}
+        self._alphas: dict[int, float] = {}
+        #: the shift step each parameter was last updated with (for inspection)
+        self.alphas: dict[str, float] = {}
 
-    def alpha_for(self, name: str, numel: int) -> float:
-        """The shift step of parameter ``name``: ``alpha``, or ``1 / (omega(numel) + 1)``."""
-        if name not in self._alphas:
-            if self.alpha is not None:
-                self._alphas[name] = self.alpha
-            else:
-                assert self.variance_bound is not None
-                omega = float(self.variance_bound(numel))
-                if not math.isfinite(omega) or omega < 0:
-                    raise ValueError(f"variance bound omega must be finite and >= 0, got {omega} for {name!r}")
-                self._alphas[name] = 1.0 / (omega + 1.0)
-        return self._alphas[name]
+    def alpha_for(self, unit_numel: int) -> float:
+        """The shift step for a unit of ``unit_numel`` elements: ``alpha``, or ``1 / (omega(unit_numel) + 1)``.
+
+        ``omega`` is the variance bound of the unit *as it is compressed*: a parameter compressed
+        inside a larger unit is quantized with that unit's blocks (Mishchenko et al., 2019,
+        Theorem 2 needs ``alpha <= 1 / (omega + 1)`` of the operator actually applied).
+        """
+        if self.alpha is not None:
+            return self.alpha
+        if unit_numel not in self._alphas:
+            assert self.variance_bound is not None
+            omega = float(self.variance_bound(unit_numel))
+            if not math.isfinite(omega) or omega < 0:
+                raise ValueError(f"variance bound omega must be finite and >= 0, got {omega} for {unit_numel} elements")
+            self._alphas[unit_numel] = 1.0 / (omega + 1.0)
+        return self._alphas[unit_numel]
 
     def compensate(self, name: str, grad: Tensor) -> Tensor:
         shift = self._local.get(name)
@@ -180,8 +192,9 @@ class Diana(Memory):
         shift = self._global.get(name)
         return mean if shift is None else shift + mean
 
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor) -> None:
-        alpha = self.alpha_for(name, compensated.numel())
+    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
+        alpha = self.alpha_for(compensated.numel() if unit_numel is None else unit_numel)
+        self.alphas[name] = alpha
         # h depends on the mean alone, identical on every rank; h_i skips a non-finite local step
         steps = [(self._global, mean)]
         if bool(torch.isfinite(sent).all()):
@@ -200,8 +213,8 @@ class Diana(Memory):
         return self._local.get(name), self._global.get(name)
 
     def state_dict(self) -> dict[str, Tensor]:
-        state = {f"h_local/{name}": h.clone() for name, h in self._local.items()}
-        state.update({f"h/{name}": h.clone() for name, h in self._global.items()})
+        state = {f"h_local/{name}": h for name, h in self._local.items()}
+        state.update({f"h/{name}": h for name, h in self._global.items()})
         return state
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:

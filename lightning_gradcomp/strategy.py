@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import math
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -14,17 +16,24 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
+from lightning_gradcomp.checkpoint import (
+    CHECKPOINT_KEY,
+    ShardError,
+    manifest,
+    read_shard,
+    remove_shards,
+    write_shard,
+)
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.compressors import Compressor, build_compressor
 from lightning_gradcomp.compressors.topk import validate_density
-from lightning_gradcomp.hook import GRANULARITIES, GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
-
-#: Where the strategy keeps every rank's compression state in a Lightning checkpoint.
-CHECKPOINT_KEY = "gradcomp"
+from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
 
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -44,11 +53,11 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "ddp_gaussiank": (
         "Gaussian_k: O(d) threshold selection with error feedback, allgather of variable-size payloads",
-        {"compressor": "gaussiank", "memory": "ef", "aggregator": "allgather", "granularity": "bucket"},
+        {"compressor": "gaussiank", "memory": "ef", "aggregator": "allgather", "granularity": "model"},
     ),
     "ddp_gtopk": (
         "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P)",
-        {"compressor": "topk", "memory": "ef", "aggregator": "gtopk", "granularity": "bucket"},
+        {"compressor": "topk", "memory": "ef", "aggregator": "gtopk", "granularity": "model"},
     ),
     "ddp_terngrad": (
         "TernGrad: 2-bit stochastic ternary gradients, shared per-layer scalers, 2.5-sigma clipping, last layer dense",
@@ -56,7 +65,7 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "ddp_topk": (
         "Top-k sparsification with error feedback, allgather of sparse payloads",
-        {"compressor": "topk", "memory": "ef", "aggregator": "allgather", "granularity": "bucket"},
+        {"compressor": "topk", "memory": "ef", "aggregator": "allgather", "granularity": "model"},
     ),
 }
 
@@ -81,15 +90,20 @@ class GradCompStrategy(DDPStrategy):
             ``1 / (omega + 1)`` from the quantizer's variance bound).
         aggregator: ``"allreduce"``, ``"allgather"``, or ``"auto"`` (the compressor's choice for
             the world size: allgather for sparse payloads, allreduce otherwise by default).
-        granularity: ``"layer"`` compresses each parameter on its own; ``"bucket"`` compresses all
-            of a DDP bucket's compressed parameters as one vector (the gTop-k authors' setting).
+        granularity: what is compressed together, decided by the parameters alone (never by DDP's
+            buckets, which change after the first step and after a restart): ``"layer"``, each
+            parameter in its own shape; ``"model"``, all compressed parameters as one flat vector
+            (the gTop-k and Gaussian_k authors' setting); ``"group"``, flat groups of at most
+            ``unit_cap_mb``. ``"bucket"`` is a deprecated alias of ``"group"``.
+        unit_cap_mb: size cap in MiB of a ``"group"`` unit and of a group of dense parameters.
         density: fraction of entries kept by sparsifying compressors, in (0, 1]; only with a name.
         density_schedule: densities by epoch, the last one kept for later epochs (the authors'
             warm-up: ``[0.004, 0.001]`` for Top-k, ``[1/64, 0.004, 0.001]`` for Gaussian_k).
         warmup_steps: optimizer steps averaged densely before compression starts (DDP rebuilds its
             buckets after the first one; state is keyed by parameter name, so 0 is allowed).
         min_compress_numel: parameters with fewer elements (biases, norms) are averaged densely.
-        seed: base seed of the compressors' random generators (distinct per rank).
+        seed: base seed of the compressors' random streams; a unit's stream at a step is a pure
+            function of (seed, rank, step, unit), the same after any restart.
         compressor_kwargs: further arguments for a compressor given by name.
         dense_parameters: ``fnmatch`` patterns of parameter names averaged densely, uncompressed
             (each must match a parameter of the model, checked at setup).
@@ -99,6 +113,10 @@ class GradCompStrategy(DDPStrategy):
             raises a ``ValueError`` naming both sizes (``"error"``), or starts the compression state
             afresh with a warning (``"reset"``): residuals and shifts are per rank and cannot be split
             or merged without changing the run.
+
+    Checkpoints: every rank writes its own compression state (residuals, shifts, step counter)
+    beside the checkpoint file, in ``<checkpoint>.gradcomp/`` (see :mod:`lightning_gradcomp.checkpoint`);
+    rank 0 never holds another rank's state.
         **kwargs: every other :class:`DDPStrategy` argument (``timeout``, ``start_method``, ...)
             and ``DistributedDataParallel`` keyword (``bucket_cap_mb``, ``find_unused_parameters``, ...).
     """
@@ -111,7 +129,8 @@ class GradCompStrategy(DDPStrategy):
         memory: str = "ef",
         memory_kwargs: dict[str, Any] | None = None,
         aggregator: str = "auto",
-        granularity: Literal["layer", "bucket"] = "layer",
+        granularity: Literal["layer", "model", "group", "bucket"] = "layer",
+        unit_cap_mb: float = DEFAULT_UNIT_CAP_MB,
         density: float | None = None,
         density_schedule: Sequence[float] | None = None,
         warmup_steps: int = 1,
@@ -160,13 +179,28 @@ class GradCompStrategy(DDPStrategy):
                 f"aggregator='allreduce' sums compressed codes across ranks, which {self.compressor!r} cannot do "
                 "as configured (TernGrad needs share_scale=True); use aggregator='allgather' or 'auto'"
             )
+        if granularity == "bucket":
+            rank_zero_deprecation(
+                "granularity='bucket' is deprecated: units no longer follow DDP's buckets (which change after "
+                "the first step and after a restart); it now means granularity='group', flat groups of at most "
+                "unit_cap_mb. Use 'model' for one unit of the whole model (the gTop-k authors' setting)."
+            )
+            granularity = "group"
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
-        if granularity == "bucket" and self.compressor.needs_layer_shape:
+        if granularity != "layer" and self.compressor.needs_layer_shape:
             raise ValueError(
-                f"granularity='bucket' hands {self.compressor.name!r} flat vectors, but it works on each "
+                f"granularity={granularity!r} hands {self.compressor.name!r} flat vectors, but it works on each "
                 "parameter's own shape; use granularity='layer'"
             )
+        if (
+            isinstance(unit_cap_mb, bool)
+            or not isinstance(unit_cap_mb, (int, float))
+            or not math.isfinite(unit_cap_mb)
+            or unit_cap_mb <= 0
+        ):
+            raise ValueError(f"unit_cap_mb must be a positive number of MiB, got {unit_cap_mb!r}")
+        self.unit_cap_mb = float(unit_cap_mb)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 0)
         self.seed = _check_int("seed", seed, 0)
@@ -179,6 +213,8 @@ class GradCompStrategy(DDPStrategy):
             raise ValueError(f"on_world_size_change must be 'error' or 'reset', got {on_world_size_change!r}")
         self.on_world_size_change = on_world_size_change
         self._pending_hook_state: dict | None = None
+        self._run_tag = uuid.uuid4().hex  # replaced by rank 0's at setup, so that all ranks share it
+        self._saves = 0
         self.dense_parameters = tuple(dense_parameters)
         self.keep_last_layer_dense = keep_last_layer_dense
         self.aggregator_name = aggregator
@@ -254,8 +290,9 @@ class GradCompStrategy(DDPStrategy):
             compressor=self.compressor,
             memory=self.memory,
             aggregator=self.resolved_aggregator(world_size),
-            param_names={id(p): name for name, p in named},
+            named_parameters=named,
             granularity=self.granularity,
+            unit_cap_mb=self.unit_cap_mb,
             warmup_steps=self.warmup_steps,
             min_compress_numel=self.min_compress_numel,
             dense_names=self.dense_parameter_names(named),
@@ -280,6 +317,7 @@ class GradCompStrategy(DDPStrategy):
             "memory": f"{self.memory.name} {getattr(self.memory, 'alpha', '')}".strip(),
             "aggregator": self.resolved_aggregator(self.world_size),
             "granularity": self.granularity,
+            "unit_cap_mb": str(self.unit_cap_mb),
             "warmup_steps": str(self.warmup_steps),
             "min_compress_numel": str(self.min_compress_numel),
             "density_schedule": str(self.density_schedule),
@@ -292,14 +330,17 @@ class GradCompStrategy(DDPStrategy):
         """Raise on every rank, naming what differs, when ranks were configured differently.
 
         Different densities or compressors would make the ranks disagree on payload sizes: a hang or
-        garbage at the first compressed step. One object gather at setup rules that out.
+        garbage at the first compressed step. One object gather at setup rules that out; it also
+        hands every rank rank 0's run tag, which marks this run's checkpoint shards.
         """
         assert isinstance(self.model, DistributedDataParallel)
         local = self.compression_settings(named_parameters)
         if self.world_size == 1:
             return
         every: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(every, local, group=self.model.process_group)
+        torch.distributed.all_gather_object(every, (local, self._run_tag), group=self.model.process_group)
+        self._run_tag = every[0][1]
+        every = [settings for settings, _ in every]
         differences = [
             f"{key}: " + ", ".join(f"rank {r} has {settings[key]}" for r, settings in enumerate(every))
             for key in local
@@ -309,28 +350,44 @@ class GradCompStrategy(DDPStrategy):
             raise ValueError("GradCompStrategy settings differ across ranks; " + "; ".join(differences))
 
     def compression_state(self) -> dict[str, Any]:
-        """This rank's compression state (memory, step counter, random generators), on the CPU."""
+        """This rank's compression state (memory and step counter), on the CPU."""
         hook_state = self.gradcomp_hook.state_dict() if self.gradcomp_hook is not None else self._pending_hook_state
         return {
             "memory": self.memory.name,
+            "compressor": self.compressor.name,
             "memory_state": {k: v.detach().cpu() for k, v in self.memory.state_dict().items()},
             "hook": hook_state,
         }
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Gather every rank's compression state into rank 0's checkpoint under ``"gradcomp"``, then write."""
-        states: list[Any] = [None] * self.world_size
-        local = self.compression_state()
-        if self.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.gather_object(local, states if self.is_global_zero else None, dst=0)
-        else:
-            states = [local]
-        if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": states}
+        """Write this rank's compression state beside ``filepath`` (every rank), then the checkpoint (rank 0).
+
+        The checkpoint records only a manifest under ``"gradcomp"``; a weights-only checkpoint (no
+        optimizer states) gets no compression state either.
+        """
+        if "optimizer_states" in checkpoint:
+            self._saves += 1
+            tag = f"{self._run_tag}-{self._saves}"
+            write_shard(filepath, self.global_rank, self.world_size, {"tag": tag, **self.compression_state()})
+            checkpoint[CHECKPOINT_KEY] = manifest(self.world_size, tag, self.memory.name, self.compressor.name)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and its compression-state shards (rank 0 all of them, each rank its own)."""
+        super().remove_checkpoint(filepath)
+        remove_shards(filepath, self.global_rank, self.world_size)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the checkpoint and give this rank its own compression state back (see ``on_world_size_change``)."""
+        """Load the checkpoint and give this rank its own compression state back (see ``on_world_size_change``).
+
+        Every rank reads its own shard; if any rank's shard is missing, unreadable or foreign, every
+        rank raises the same :class:`~lightning_gradcomp.checkpoint.ShardError` naming the files, and
+        nothing is restored. Checkpoints of the earlier single-file format (every rank's state inline)
+        still load.
+        """
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
@@ -344,12 +401,15 @@ class GradCompStrategy(DDPStrategy):
                 raise ValueError(f"{message}; pass on_world_size_change='reset' to start the state afresh")
             rank_zero_warn(f"{message}: compression state (residuals, shifts, step counter) starts afresh")
             return checkpoint
-        state = saved["ranks"][self.global_rank]
-        if state["memory"] != self.memory.name:
-            raise ValueError(
-                f"the checkpoint {checkpoint_path} holds {state['memory']!r} memory state, this run uses "
-                f"memory={self.memory.name!r}"
-            )
+        state, error = None, None
+        try:
+            state = self._read_state(checkpoint_path, saved)
+        except ShardError as err:
+            error = str(err)
+        errors = self._every_rank(error)
+        if any(errors):
+            raise ShardError("; ".join(dict.fromkeys(e for e in errors if e)))
+        assert state is not None
         self.memory.load_state_dict({k: v.to(self.root_device) for k, v in state["memory_state"].items()})
         if state["hook"] is not None:
             if self.gradcomp_hook is not None:
@@ -357,6 +417,29 @@ class GradCompStrategy(DDPStrategy):
             else:
                 self._pending_hook_state = state["hook"]
         return checkpoint
+
+    def _read_state(self, checkpoint_path: Any, saved: dict[str, Any]) -> dict[str, Any]:
+        """This rank's state from a checkpoint's ``"gradcomp"`` entry: its shard, or inline (format 1)."""
+        if "ranks" in saved:  # format 1: every rank's state gathered into the checkpoint
+            state = saved["ranks"][self.global_rank]
+        else:
+            state = read_shard(checkpoint_path, self.global_rank, saved)
+        for what, mine in (("memory", self.memory.name), ("compressor", self.compressor.name)):
+            theirs = state.get(what, saved.get(what))
+            if theirs is not None and theirs != mine:
+                raise ShardError(
+                    f"the checkpoint {checkpoint_path} holds compression state of {what}={theirs!r}, "
+                    f"but this run uses {what}={mine!r}"
+                )
+        return state
+
+    def _every_rank(self, value: Any) -> list[Any]:
+        """``value`` from every rank, in rank order (one object gather; just ``[value]`` alone)."""
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(every, value)
+        return every
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

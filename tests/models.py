@@ -35,6 +35,26 @@ class TinyClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class ShuffledClassifier(TinyClassifier):
+    """Three layers registered in another order than backward reaches them (head, body, stem).
+
+    DDP's initial bucket layout (one bucket in torch 2.13, parameters in reverse registration
+    order) therefore differs from the one it rebuilds after the first step (gradient-ready order,
+    capped by ``bucket_cap_mb``): the layout a resumed run starts from is not the one it left.
+    Weights of 256, 4096 and 2048 elements; biases of 4, 64 and 64.
+    """
+
+    def __init__(self, features: int = 32, hidden: int = 64, classes: int = 4, lr: float = 0.1) -> None:
+        pl.LightningModule.__init__(self)
+        self.lr = lr
+        self.head = nn.Linear(hidden, classes)
+        self.body = nn.Linear(hidden, hidden)
+        self.stem = nn.Linear(features, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(torch.relu(self.stem(x)))))
+
+
 def fit(
     strategy: pl.strategies.Strategy | str,
     world_size: int,
@@ -43,10 +63,11 @@ def fit(
     callbacks: list[pl.Callback] | None = None,
     samples: int = 1024,
     ckpt_path: str | None = None,
+    model_class: type[TinyClassifier] = TinyClassifier,
 ) -> tuple[TinyClassifier, pl.Trainer]:
-    """Fit a fresh :class:`TinyClassifier` (same init on every rank) for ``steps`` steps on CPU."""
+    """Fit a fresh ``model_class`` (same init on every rank) for ``steps`` steps on CPU."""
     pl.seed_everything(seed, verbose=False)
-    model = TinyClassifier()
+    model = model_class()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,

@@ -127,4 +127,5 @@ def test_fixed_size_payloads_skip_the_size_exchange_and_match_allreduce(world_si
     sparse_bytes = sum(topk.payload_nbytes(torch.Size([n]), torch.float32) for n in (NUMELS[0], NUMELS[2]))
     for r in results:
         assert r["counts"] == (2, 37 * 4 + sparse_bytes)  # dense allreduce + one gather, no size exchange
-        assert r["reduced_counts"] == (1, 4 * sum(NUMELS))
+        # float sums: one allreduce each, so a unit's sum never depends on what travels with it
+        assert r["reduced_counts"] == (3, 4 * sum(NUMELS))

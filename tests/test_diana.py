@@ -48,8 +48,8 @@ def test_exact_compression_with_alpha_one_learns_the_gradient_in_one_step() -> N
 
 def test_default_alpha_is_one_over_omega_plus_one() -> None:
     memory = Diana(variance_bound=lambda numel: numel**0.5 - 1)
-    assert memory.alpha_for("w", 100) == pytest.approx(1 / 10)
-    assert memory.alpha_for("b", 4) == pytest.approx(1 / 2)
+    assert memory.alpha_for(100) == pytest.approx(1 / 10)
+    assert memory.alpha_for(4) == pytest.approx(1 / 2)
 
 
 @pytest.mark.parametrize("alpha", [0, -0.5, 1.01, float("nan"), True])
@@ -120,7 +120,7 @@ def _batch_descent(rank: int, world_size: int, steps: int) -> dict[str, list[flo
         model = nn.Linear(FEATURES, 1, bias=False).double()
         nn.init.zeros_(model.weight)
         ddp = DistributedDataParallel(model)
-        hook = GradCompHook(quantizer, memory, "allgather", {id(model.weight): "w"}, warmup_steps=0,
+        hook = GradCompHook(quantizer, memory, "allgather", [("w", model.weight)], warmup_steps=0,
                             min_compress_numel=0, seed=3)  # fmt: skip
         ddp.register_comm_hook(hook, gradcomp_comm_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=step_size)

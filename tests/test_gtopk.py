@@ -137,14 +137,14 @@ def _argument_errors(collectives: Collectives) -> list[str]:
 
 
 def _hook_under_ddp(group: dist.ProcessGroup) -> dict:
-    """Five SGD steps of a small MLP under torch's DDP with the gradcomp hook and gTop-k (bucket granularity)."""
+    """Five SGD steps of a small MLP under torch's DDP with the gradcomp hook and gTop-k (whole-model unit)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
     memory = ErrorFeedback()
     hook = GradCompHook(
-        TopKCompressor(0.05), memory, GTopKAggregator(), {id(p): n for n, p in model.named_parameters()},
-        granularity="bucket", warmup_steps=1, min_compress_numel=100, group=group,
+        TopKCompressor(0.05), memory, GTopKAggregator(), list(model.named_parameters()),
+        granularity="model", warmup_steps=1, min_compress_numel=100, group=group,
     )  # fmt: skip
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

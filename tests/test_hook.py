@@ -34,8 +34,15 @@ class RecordingErrorFeedback(ErrorFeedback):
         )
         return acc
 
-    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, mean: torch.Tensor) -> None:
-        super().update(name, compensated, sent, mean)
+    def update(
+        self,
+        name: str,
+        compensated: torch.Tensor,
+        sent: torch.Tensor,
+        mean: torch.Tensor,
+        unit_numel: int | None = None,
+    ) -> None:
+        super().update(name, compensated, sent, mean, unit_numel)
         entry = next(e for e in reversed(self.log) if e["name"] == name)
         entry.update(sent=sent.clone(), new=self.residual(name).clone(), compensated=compensated.clone())
 
@@ -56,17 +63,20 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
+HookFactory = Callable[[nn.Module], GradCompHook]
+
+
 def _train(
     rank: int,
     world_size: int,
-    hook: GradCompHook | None,
+    make_hook: HookFactory | None,
     bucket_cap_mb: float = 0.001,
-    after_step: Callable[[int], None] | None = None,
-) -> nn.Module:
+    after_step: Callable[[int, GradCompHook], None] | None = None,
+) -> tuple[nn.Module, GradCompHook | None]:
     model = _model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    hook = None if make_hook is None else make_hook(model)
     if hook is not None:
-        hook.param_names = {id(p): n for n, p in model.named_parameters()}
         ddp.register_comm_hook(hook, gradcomp_comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = teacher_task(n=16 * world_size * STEPS)
@@ -77,16 +87,16 @@ def _train(
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
         if after_step is not None:
-            after_step(step)
-    return model
+            after_step(step, hook)
+    return model, hook
 
 
-def _make_hook(compressor, memory, granularity: str, aggregator: str = "allgather", warmup: int = 0) -> GradCompHook:
-    return GradCompHook(
+def _make_hook(compressor, memory, granularity: str, aggregator: str = "allgather", warmup: int = 0) -> HookFactory:
+    return lambda model: GradCompHook(
         compressor,
         memory,
         aggregator,
-        param_names={},
+        list(model.named_parameters()),
         granularity=granularity,
         warmup_steps=warmup,
         min_compress_numel=100,
@@ -95,12 +105,11 @@ def _make_hook(compressor, memory, granularity: str, aggregator: str = "allgathe
 
 def _ef_bookkeeping(rank: int, world_size: int, granularity: str) -> dict:
     memory, compressor = RecordingErrorFeedback(), CountingTopK(0.05)
-    hook = _make_hook(compressor, memory, granularity, warmup=1)
-    _train(rank, world_size, hook)
+    _, hook = _train(rank, world_size, _make_hook(compressor, memory, granularity, warmup=1))
     return {"log": memory.log, "counts": compressor.counts, "history": list(hook.history), "buckets": hook.calls}
 
 
-@pytest.mark.parametrize(("world_size", "granularity"), [(2, "layer"), (3, "layer"), (3, "bucket")])
+@pytest.mark.parametrize(("world_size", "granularity"), [(2, "layer"), (3, "layer"), (3, "model")])
 def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(world_size: int, granularity: str) -> None:
     for r in _results(world_size, f"ef/{granularity}"):
         assert r["log"], "the compressed path never ran"
@@ -112,8 +121,8 @@ def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(world_size:
             assert torch.equal(e["sent"] + e["new"], e["grad"] + old)
         for numel, k in r["counts"]:
             assert k == k_for(numel, 0.05)
-        if granularity == "bucket":
-            assert all(numel in (2048, 256, 2304) for numel, _ in r["counts"])
+        if granularity == "model":
+            assert all(numel == 2304 for numel, _ in r["counts"])  # one unit: both weights, whatever the buckets
         history = r["history"]
         assert len(history) == STEPS and not history[0].compressed and all(s.compressed for s in history[1:])
         assert history[-1].buckets == 2  # rebuilt buckets (1296 and 8192 bytes): each went through the hook
@@ -123,8 +132,8 @@ def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(world_size:
 
 
 def _density_one_vs_dense(rank: int, world_size: int) -> dict:
-    plain = _train(rank, world_size, None)
-    full = _train(rank, world_size, _make_hook(TopKCompressor(1.0), ErrorFeedback(), "layer"))
+    plain, _ = _train(rank, world_size, None)
+    full, _ = _train(rank, world_size, _make_hook(TopKCompressor(1.0), ErrorFeedback(), "layer"))
     return {"plain": plain.state_dict(), "full": full.state_dict()}
 
 
@@ -137,8 +146,7 @@ def test_topk_at_density_one_trains_like_dense_ddp(world_size: int) -> None:
 
 
 def _no_memory_topk(rank: int, world_size: int) -> dict:
-    hook = _make_hook(TopKCompressor(0.1), NoMemory(), "layer", aggregator="allreduce")
-    model = _train(rank, world_size, hook)
+    model, hook = _train(rank, world_size, _make_hook(TopKCompressor(0.1), NoMemory(), "layer", aggregator="allreduce"))
     return {"weights": model.state_dict(), "history": list(hook.history)}
 
 
@@ -152,17 +160,22 @@ def test_allreduce_aggregator_with_sparse_payloads_keeps_ranks_in_sync() -> None
 
 def _captures(rank: int, world_size: int) -> dict:
     memory, compressor = ErrorFeedback(), TopKCompressor(0.05)
-    hook = _make_hook(compressor, memory, "bucket", warmup=1)
-    hook.track_layers = True
-    hook.request_capture({"0.weight"})
-    hook.request_capture({"2.weight"})  # requests add up
+    make = _make_hook(compressor, memory, "model", warmup=1)
+
+    def make_and_request(model: nn.Module) -> GradCompHook:
+        hook = make(model)
+        hook.track_layers = True
+        hook.request_capture({"0.weight"})
+        hook.request_capture({"2.weight"})  # requests add up
+        return hook
+
     seen: dict[int, dict] = {}
 
-    def record(step: int) -> None:
+    def record(step: int, hook: GradCompHook) -> None:
         if hook.last_step.captures:
             seen[step] = dict(hook.last_step.captures)
 
-    _train(rank, world_size, hook, after_step=record)
+    _, hook = _train(rank, world_size, make_and_request, after_step=record)
     return {"history": list(hook.history), "norm": memory.norm(), "residuals": memory.state_dict(), "seen": seen}
 
 
@@ -189,7 +202,7 @@ def _every_case(rank: int, world_size: int) -> dict:
     """Every workload below in one launch per world size (starting ranks costs seconds)."""
     return {
         "ef/layer": _ef_bookkeeping(rank, world_size, "layer"),
-        "ef/bucket": _ef_bookkeeping(rank, world_size, "bucket"),
+        "ef/model": _ef_bookkeeping(rank, world_size, "model"),
         "density one": _density_one_vs_dense(rank, world_size),
         "no memory": _no_memory_topk(rank, world_size),
         "captures": _captures(rank, world_size),

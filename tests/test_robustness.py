@@ -29,7 +29,7 @@ def _nan_on_one_rank(rank: int, world_size: int) -> dict:
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
     ddp = DistributedDataParallel(model)
     memory = ErrorFeedback()
-    hook = GradCompHook(TopKCompressor(0.05), memory, "allgather", {id(p): n for n, p in model.named_parameters()},
+    hook = GradCompHook(TopKCompressor(0.05), memory, "allgather", list(model.named_parameters()),
                         warmup_steps=0, min_compress_numel=100)  # fmt: skip
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -43,13 +43,13 @@ def _nan_on_one_rank(rank: int, world_size: int) -> dict:
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(xb), y[step * 16 : (step + 1) * 16]).backward()
         if step == NAN_STEP:
-            after_nan = memory.state_dict()
+            after_nan = {k: v.clone() for k, v in memory.state_dict().items()}
         finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
         skipped.append(not finite)
         if finite:  # what AMP's GradScaler does with an inf/NaN step: skip it
             optimizer.step()
         if step == NAN_STEP - 1:
-            before_nan = memory.state_dict()
+            before_nan = {k: v.clone() for k, v in memory.state_dict().items()}
     return {
         "before": before_nan,
         "after": after_nan,

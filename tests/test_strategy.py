@@ -23,7 +23,9 @@ from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompresso
             {"aggregator": "ring"},
             r"aggregator must be one of \['allgather', 'allreduce', 'gtopk', 'auto'\], got 'ring'",
         ),
-        ({"granularity": "model"}, r"granularity must be one of \['layer', 'bucket'\], got 'model'"),
+        ({"granularity": "tensor"}, r"granularity must be one of \['layer', 'model', 'group'\], got 'tensor'"),
+        ({"unit_cap_mb": 0}, r"unit_cap_mb must be a positive number of MiB, got 0"),
+        ({"unit_cap_mb": float("nan")}, r"unit_cap_mb must be a positive number of MiB, got nan"),
         ({"density": 0.0}, r"density must be a number in \(0, 1\], got 0.0"),
         ({"density": -1}, r"density must be a number in \(0, 1\], got -1"),
         ({"density": 1.5}, r"density must be a number in \(0, 1\], got 1.5"),
@@ -40,9 +42,16 @@ def test_bad_arguments_raise_value_error_naming_argument_and_choices(kwargs: dic
         GradCompStrategy(**kwargs)
 
 
-def test_shape_needing_compressors_refuse_bucket_granularity() -> None:
-    with pytest.raises(ValueError, match="granularity='bucket' hands 'atomo' flat vectors"):
-        GradCompStrategy(compressor="atomo", granularity="bucket")
+@pytest.mark.parametrize("granularity", ["model", "group"])
+def test_shape_needing_compressors_refuse_flat_units(granularity: str) -> None:
+    with pytest.raises(ValueError, match=f"granularity='{granularity}' hands 'atomo' flat vectors"):
+        GradCompStrategy(compressor="atomo", granularity=granularity)
+
+
+def test_bucket_granularity_is_a_deprecated_alias_of_group() -> None:
+    with pytest.deprecated_call(match="granularity='bucket' is deprecated"):
+        strategy = GradCompStrategy(compressor="topk", granularity="bucket")
+    assert strategy.granularity == "group"
 
 
 def test_good_arguments_are_kept_and_ddp_keywords_pass_through() -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from lightning_gradcomp.hook import GradCompHook, StepStats
 from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.units import is_compressed
 
 
 def check_frequency(name: str, value: Any) -> int:
@@ -49,15 +50,15 @@ def require_strategy(trainer: pl.Trainer, owner: str) -> GradCompStrategy:
 def compressed_parameters(strategy: GradCompStrategy, pl_module: pl.LightningModule) -> dict[str, int]:
     """``name -> numel`` of the parameters the hook compresses (the others are averaged densely).
 
-    Mirrors the hook's rule: floating point, at least ``min_compress_numel`` elements, not among
-    the strategy's dense parameters. Parameters without gradients never reach the hook.
+    The hook's own rule (:func:`~lightning_gradcomp.units.is_compressed`); parameters without
+    gradients never reach the hook.
     """
     named = list(pl_module.named_parameters())
     dense = strategy.dense_parameter_names(named)
     return {
         name: p.numel()
         for name, p in named
-        if p.requires_grad and p.is_floating_point() and p.numel() >= strategy.min_compress_numel and name not in dense
+        if p.requires_grad and is_compressed(name, p, strategy.min_compress_numel, dense)
     }
 
 

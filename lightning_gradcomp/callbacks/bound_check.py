@@ -21,7 +21,7 @@ is compared with what the papers promise (ALGORITHMS.md gives the sources):
 
   ``k`` is the count actually sent: ``k_for(d, density)`` for exact Top-k, approximately that for
   Gaussian_k, whose count varies (ALGORITHMS.md Sec. 5). The ``k`` largest magnitudes of a slice
-  are the slice's own largest, so the bound also holds per parameter under ``granularity="bucket"``.
+  are the slice's own largest, so the bound also holds per parameter under ``granularity="model"`` or ``"group"``.
 * Unbiased compressors with a variance bound ``omega(numel)`` (DIANA's quantizer,
   Mishchenko et al. 2019; ALGORITHMS.md Sec. 2): ``E[e] <= omega``. One draw is checked against a
   bound on the expectation, so a violation is a report, not a failure.

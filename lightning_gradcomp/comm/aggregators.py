@@ -50,11 +50,17 @@ class Aggregator(ABC):
 
 
 class AllreduceAggregator(Aggregator):
-    """Sum every contribution's summable form with one allreduce per dtype, then decode the average.
+    """Sum every contribution's summable form with allreduce, then decode the average.
 
     By default the summable form is the decompressed tensor pre-scaled by ``1/P`` (as DDP's
     reducer does, so the identity compressor reproduces plain DDP bit for bit); compressors with
     integer codes (TernGrad with a shared scale) sum those instead.
+
+    Integer sums are exact, so all integer contributions of one dtype travel in one collective.
+    A float sum over three or more ranks depends on where an element sits in the reduced tensor
+    (gloo's ring adds the ranks' values in an order that depends on the element's chunk), so each
+    float contribution is reduced alone: its result is then a function of the contribution
+    itself, not of which other contributions travel with it (which follows DDP's bucket layout).
     """
 
     name = "allreduce"
@@ -63,9 +69,11 @@ class AllreduceAggregator(Aggregator):
         world = collectives.world_size
         summands = [c.codec.summable(c.payload, world) for c in contributions]
         totals: list[Tensor | None] = [None] * len(contributions)
-        for dtype in dict.fromkeys(t.dtype for t in summands):
-            positions = [i for i, t in enumerate(summands) if t.dtype == dtype]
-            flat = torch.cat([summands[i] for i in positions])
+        batches = [[i] for i, t in enumerate(summands) if t.is_floating_point()]
+        integer_dtypes = dict.fromkeys(t.dtype for t in summands if not t.is_floating_point())
+        batches += [[i for i, t in enumerate(summands) if t.dtype == dtype] for dtype in integer_dtypes]
+        for positions in batches:
+            flat = torch.cat([summands[i] for i in positions]) if len(positions) > 1 else summands[positions[0]]
             collectives.all_reduce_(flat)
             for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
                 totals[i] = total

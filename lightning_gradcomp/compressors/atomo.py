@@ -28,13 +28,13 @@ Choices of this implementation (each one documented where it happens):
   64x64x3x3 kernel, 161 against 147 for a 16x16x3x3 one, so for wide layers this view sends about
   3x fewer numbers per atom; its rank can be higher (up to ``out``), so with the same budget the
   mass is spread over more atoms and the variance per kept atom can be larger.
-* **Dense fallback**: 1-D tensors (biases, norms) and flat vectors (``granularity="bucket"``)
+* **Dense fallback**: 1-D tensors (biases, norms) and flat vectors (``granularity="model"`` or ``"group"``)
   have no matrix structure; they travel dense, as the paper prescribes for 1-D tensors, inside
   the ATOMO payload format (a :class:`~lightning_gradcomp.compressors.DensePayload`). So do
   matrices for which the expected spectral payload would not be smaller than the dense tensor
   (``min(s, min(m, n)) (m + n + 1) * 4 >= m n * itemsize``, e.g. a ``(2, 1000)`` logits layer).
   The choice depends only on the shape and dtype, which every rank knows, so the wire form needs
-  no flag. ATOMO with ``granularity="bucket"`` therefore compresses nothing: use ``"layer"``.
+  no flag. ATOMO with a flat unit therefore compresses nothing: use ``"layer"``.
 * **Precision**: the SVD runs in float32 for float32, float16 and bfloat16 gradients (float64
   for float64 ones), and ``u``, ``v`` and ``sigma / p`` travel in that precision: ``sigma / p``
   can exceed the float16 range even when every gradient entry fits, and 16-bit singular vectors

@@ -54,7 +54,7 @@ class Compressor(ABC):
         sparse: whether payloads are :class:`~lightning_gradcomp.compressors.SparsePayload`,
             which sparse aggregators (gTop-k) can merge.
         needs_layer_shape: whether the compressor works on each parameter's own shape (matrices),
-            so ``granularity="bucket"`` (flat vectors) would defeat it.
+            so a flat unit (``granularity="model"`` or ``"group"``) would defeat it.
     """
 
     name: ClassVar[str]
