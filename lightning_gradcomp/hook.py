@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload
-from lightning_gradcomp.memory import Memory, NoMemory
+from lightning_gradcomp.memory import Memory, NoMemory, all_finite
 from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
 
@@ -174,6 +174,7 @@ class GradCompHook:
         self.history: deque[StepStats] = deque(maxlen=history)
         self._names = {id(p): name for name, p in named_parameters}
         self._assembler = UnitAssembler(self.units)
+        self._buffers: dict[int, Tensor] = {}
         self._dense = IdentityCompressor()
         # identity compressor, no memory: DDP's own in-place scaled allreduce of the bucket, no copies
         self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory)
@@ -256,15 +257,21 @@ class GradCompHook:
     def _exchange(self, ready: list[tuple[Unit, list[Tensor]]], stats: StepStats) -> None:
         """Compress, aggregate and write back the units that are complete, all in one aggregation."""
         start = time.perf_counter()
-        inputs: list[list[Tensor]] = []
+        raws = {
+            unit.index: [g.clone() for g in grads]
+            for unit, grads in ready
+            if unit.compressed and self._capture.intersection(unit.names)
+        }
         tensors: list[Tensor] = []
+        inputs: list[list[Tensor]] = []
         for unit, grads in ready:
-            if unit.compressed:
-                parts = [self.memory.compensate(n, g) for n, g in zip(unit.names, grads, strict=True)]
-            else:
-                parts = grads
+            x = self._unit_tensor(unit, grads)
+            parts = list(x.reshape(-1).split(unit.numels))
+            if unit.compressed:  # grad + residual (or grad - h_i), in place: no model-sized temporary
+                for name, part in zip(unit.names, parts, strict=True):
+                    self.memory.compensate_(name, part)
+            tensors.append(x)
             inputs.append(parts)
-            tensors.append(parts[0].view(unit.shape) if len(parts) == 1 else torch.cat(parts))
         scales = self._shared_scales([unit for unit, _ in ready], tensors)
         contributions = []
         for (unit, _), x in zip(ready, tensors, strict=True):
@@ -288,17 +295,17 @@ class GradCompHook:
         for (unit, grads), parts, contribution, agg in zip(ready, inputs, contributions, aggregates, strict=True):
             means = agg.mean.split(unit.numels)
             if unit.compressed:
-                sents = agg.sent.split(unit.numels)
+                reached = agg.reached.split(unit.numels)
                 outputs = [self.memory.reconstruct(n, m) for n, m in zip(unit.names, means, strict=True)]
                 # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
                 # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.
-                if bool(torch.isfinite(agg.mean).all()):
-                    for name, part, sent, mean in zip(unit.names, parts, sents, means, strict=True):
+                if all_finite(agg.mean):
+                    for name, part, sent, mean in zip(unit.names, parts, reached, means, strict=True):
                         self.memory.update(name, part, sent, mean, unit_numel=unit.numel)
                 else:
                     stats.nonfinite_units += 1
-                if self._capture.intersection(unit.names):
-                    self._record_capture(stats, unit, parts, grads, contribution, sents)
+                if unit.index in raws:
+                    self._record_capture(stats, unit, raws[unit.index], parts, contribution, agg.sent)
                 means = outputs
             for grad, mean in zip(grads, means, strict=True):
                 grad.copy_(mean)
@@ -308,19 +315,30 @@ class GradCompHook:
         stats.seconds_communicate += communicate
         stats.seconds_decompress += done - compressed_at - communicate
 
+    def _unit_tensor(self, unit: Unit, grads: list[Tensor]) -> Tensor:
+        """The tensor a unit is compressed from: a lone parameter's gradient itself (a view of DDP's bucket,
+        in its shape), or the unit's gradients copied into a flat buffer allocated once and kept."""
+        if len(grads) == 1:
+            return grads[0].view(unit.shape)
+        buffer = self._buffers.get(unit.index)
+        if buffer is None or buffer.dtype != grads[0].dtype or buffer.device != grads[0].device:
+            buffer = self._buffers[unit.index] = torch.empty(unit.numel, dtype=grads[0].dtype, device=grads[0].device)
+        return torch.cat(grads, out=buffer)
+
     def _record_capture(
         self,
         stats: StepStats,
         unit: Unit,
+        raws: list[Tensor],
         parts: list[Tensor],
-        grads: list[Tensor],
         contribution: Contribution,
-        sents: "tuple[Tensor, ...]",
+        sent: Tensor,
     ) -> None:
         compressed = self.compressor.decompress(contribution.payload).split(unit.numels)
-        for name, grad, part, local, sent in zip(unit.names, grads, parts, compressed, sents, strict=True):
+        sents = sent.split(unit.numels)
+        for name, raw, part, local, mine in zip(unit.names, raws, parts, compressed, sents, strict=True):
             if name in self._capture:
-                stats.captures[name] = Capture(grad.clone(), part.clone(), local.clone(), sent.clone())
+                stats.captures[name] = Capture(raw, part.clone(), local.clone(), mine.clone())
         self._capture = self._capture.difference(stats.captures)
 
     def _shared_scales(self, units: list[Unit], tensors: list[Tensor]) -> dict[int, Tensor]:

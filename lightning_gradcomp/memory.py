@@ -2,11 +2,14 @@
 
 The hook calls, for each compressed parameter ``name`` and step:
 
-1. ``x = memory.compensate(name, grad)``: the tensor handed to the compressor;
+1. ``x = memory.compensate(name, grad)``: the tensor handed to the compressor (the hook calls
+   :meth:`Memory.compensate_`, which does the same in place in the gradient it is handed: DDP's
+   bucket, overwritten with the average afterwards anyway, so no model-sized tensor is allocated);
 2. ``memory.reconstruct(name, mean)``: after aggregation, the gradient the optimizer sees, from
    the averaged result ``mean`` and the state as it was before this step;
 3. ``memory.update(name, x, sent, mean, unit_numel=n)``: then the state moves on, with ``sent``
-   the dense form of what of this rank's payload reached the global result, and ``n`` the size of
+   what of this rank's payload reached the global result (a dense tensor, or the
+   :class:`~lightning_gradcomp.compressors.SparseEntries` of a sparse payload), and ``n`` the size of
    the unit the parameter was compressed in (constants such as DIANA's ``alpha`` follow the unit
    as it was compressed, not the parameter).
 
@@ -23,6 +26,28 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors import SparseEntries
+
+Sent = Tensor | SparseEntries
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether every entry of ``x`` is finite, from one sum (a reduction: no mask is allocated).
+
+    A NaN or an infinity anywhere makes the sum non-finite. Half-precision tensors are summed in
+    float32 so that finite values cannot overflow it; a float32 or float64 sum overflows only for
+    entries near the type's limit, and then reads as non-finite, which only makes the caller
+    skip a memory update.
+    """
+    if not x.numel():
+        return True
+    total = x.sum(dtype=torch.float32) if x.element_size() < 4 else x.sum()
+    return math.isfinite(float(total))
+
+
+def _dense(sent: Sent) -> Tensor:
+    return sent.to_dense() if isinstance(sent, SparseEntries) else sent
+
 
 class Memory(ABC):
     """Per-parameter compression state."""
@@ -33,8 +58,12 @@ class Memory(ABC):
     def compensate(self, name: str, grad: Tensor) -> Tensor:
         """The tensor to compress for parameter ``name`` this step (``grad`` is flat)."""
 
+    def compensate_(self, name: str, x: Tensor) -> Tensor:
+        """:meth:`compensate` in place in the flat ``x`` (the hook's path); returns ``x``."""
+        return x.copy_(self.compensate(name, x))
+
     @abstractmethod
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
+    def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         """Record what happened to ``compensated``: ``sent`` reached the result, averaged to ``mean``.
 
         ``unit_numel`` is the size of the unit ``name`` was compressed in (``None``: the parameter alone).
@@ -73,7 +102,10 @@ class NoMemory(Memory):
     def compensate(self, name: str, grad: Tensor) -> Tensor:
         return grad
 
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
+    def compensate_(self, name: str, x: Tensor) -> Tensor:
+        return x
+
+    def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         return None
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -108,14 +140,27 @@ class ErrorFeedback(Memory):
             )
         return grad + residual
 
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
-        if not bool(torch.isfinite(compensated).all()):
+    def compensate_(self, name: str, x: Tensor) -> Tensor:
+        residual = self._residuals.get(name)
+        if residual is None:
+            return x
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual for {name!r} has shape {tuple(residual.shape)} but its gradient has {tuple(x.shape)}"
+            )
+        return x.add_(residual)
+
+    def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
+        if not all_finite(compensated):
             return  # a NaN/Inf that was never sent must not sit in the residual forever
         residual = self._residuals.get(name)
         if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
-            self._residuals[name] = compensated - sent
+            residual = self._residuals[name] = torch.empty_like(compensated)  # allocated once
+        residual.copy_(compensated)
+        if isinstance(sent, SparseEntries):
+            sent.subtract_from_(residual)  # k entries: acc - acc, exactly 0
         else:
-            residual.copy_(compensated).sub_(sent)
+            residual.sub_(sent)
 
     def local_state(self) -> list[Tensor]:
         return list(self._residuals.values())
@@ -188,16 +233,21 @@ class Diana(Memory):
         shift = self._local.get(name)
         return grad.clone() if shift is None else grad - shift
 
+    def compensate_(self, name: str, x: Tensor) -> Tensor:
+        shift = self._local.get(name)
+        return x if shift is None else x.sub_(shift)
+
     def reconstruct(self, name: str, mean: Tensor) -> Tensor:
         shift = self._global.get(name)
         return mean if shift is None else shift + mean
 
-    def update(self, name: str, compensated: Tensor, sent: Tensor, mean: Tensor, unit_numel: int | None = None) -> None:
+    def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         alpha = self.alpha_for(compensated.numel() if unit_numel is None else unit_numel)
         self.alphas[name] = alpha
+        sent = _dense(sent)
         # h depends on the mean alone, identical on every rank; h_i skips a non-finite local step
         steps = [(self._global, mean)]
-        if bool(torch.isfinite(sent).all()):
+        if all_finite(sent):
             steps.append((self._local, sent))
         for shifts, step in steps:
             if name in shifts:

@@ -229,7 +229,7 @@ class SmallestK(TopKCompressor):
 
     name = "smallestk"
 
-    def select(self, x: torch.Tensor) -> torch.Tensor:
+    def select(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return torch.topk(x.abs(), k_for(x.numel(), self.density), largest=False, sorted=False).indices
 
 

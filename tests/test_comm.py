@@ -15,7 +15,7 @@ NUMELS = (1000, 37, 4096)
 class ThresholdSelection(TopKCompressor):
     """Keeps entries with |x| > 2.5: a variable count per rank, zero for a rank with small values."""
 
-    def select(self, x: torch.Tensor) -> torch.Tensor:
+    def select(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return torch.nonzero(x.abs() > 2.5).reshape(-1)
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype) -> None:

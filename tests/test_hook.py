@@ -11,7 +11,7 @@ from ranks import run_ranks_once
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.compressors import TopKCompressor
+from lightning_gradcomp.compressors import SparseEntries, TopKCompressor
 from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, NoMemory
@@ -26,25 +26,24 @@ class RecordingErrorFeedback(ErrorFeedback):
         super().__init__()
         self.log: list[dict] = []
 
-    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        old = self.residual(name)
-        acc = super().compensate(name, grad)
-        self.log.append(
-            {"name": name, "grad": grad.clone(), "old": None if old is None else old.clone(), "acc": acc.clone()}
-        )
+    def compensate_(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        old, grad = self.residual(name), x.clone()
+        acc = super().compensate_(name, x)
+        self.log.append({"name": name, "grad": grad, "old": None if old is None else old.clone(), "acc": acc.clone()})
         return acc
 
     def update(
         self,
         name: str,
         compensated: torch.Tensor,
-        sent: torch.Tensor,
+        sent: SparseEntries,
         mean: torch.Tensor,
         unit_numel: int | None = None,
     ) -> None:
+        assert isinstance(sent, SparseEntries)  # a sparse payload's entries: one scatter, no dense subtraction
         super().update(name, compensated, sent, mean, unit_numel)
         entry = next(e for e in reversed(self.log) if e["name"] == name)
-        entry.update(sent=sent.clone(), new=self.residual(name).clone(), compensated=compensated.clone())
+        entry.update(sent=sent.to_dense(), new=self.residual(name).clone(), compensated=compensated.clone())
 
 
 class CountingTopK(TopKCompressor):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm.collectives import Collectives
-from lightning_gradcomp.compressors import Compressor, IdentityCompressor, Payload
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor, Payload, SparseEntries, SparsePayload
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,24 @@ class Aggregate:
 
     Attributes:
         mean: the average over ranks of the decompressed payloads (flat).
-        sent: the dense form of what of this rank's payload reached ``mean``; memory subtracts it.
+        reached: what of this rank's payload reached ``mean``, which memory subtracts: the
+            entries themselves for a sparse payload, else the dense decompressed tensor.
     """
 
     mean: Tensor
-    sent: Tensor
+    reached: Tensor | SparseEntries
+
+    @property
+    def sent(self) -> Tensor:
+        """The dense (flat) form of :attr:`reached`, for inspection."""
+        return self.reached.to_dense() if isinstance(self.reached, SparseEntries) else self.reached
+
+
+def local_part(codec: Compressor, payload: Payload) -> Tensor | SparseEntries:
+    """What of this rank's own payload reaches the average when all of it does (every aggregator but gTop-k)."""
+    if isinstance(payload, SparsePayload):
+        return SparseEntries(payload.indices, payload.values, payload.numel)
+    return codec.decompress(payload)
 
 
 class Aggregator(ABC):
@@ -78,7 +91,7 @@ class AllreduceAggregator(Aggregator):
             for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
                 totals[i] = total
         return [
-            Aggregate(c.codec.from_sum(total, c.payload, world), c.codec.decompress(c.payload))
+            Aggregate(c.codec.from_sum(total, c.payload, world), local_part(c.codec, c.payload))
             for c, total in zip(contributions, totals, strict=True)
         ]
 
@@ -122,7 +135,7 @@ class AllgatherAggregator(Aggregator):
                     payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
                 offsets[r] += size
             total = c.codec.accumulate_all(payloads, torch.zeros(shape.numel(), dtype=dtype, device=local.device))
-            results.append(Aggregate(total.div_(world), c.codec.decompress(c.payload)))
+            results.append(Aggregate(total.div_(world), local_part(c.codec, c.payload)))
         return results
 
 

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, Contribution, aggregate_dense_apart
 from lightning_gradcomp.comm.collectives import Collectives
-from lightning_gradcomp.compressors import IdentityCompressor, SparsePayload
+from lightning_gradcomp.compressors import IdentityCompressor, SparseEntries, SparsePayload
 from lightning_gradcomp.compressors.sparse import index_dtype, itemsize
 from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
@@ -289,7 +289,5 @@ class GTopKAggregator(Aggregator):
             mean = torch.zeros(unit.numel, dtype=unit.dtype, device=device)
             mean[entries.indices] = entries.values / world
             reached = torch.isin(mine.indices, alive)
-            sent = torch.zeros(unit.numel, dtype=unit.dtype, device=device)
-            sent[mine.indices[reached]] = mine.values[reached]
-            results.append(Aggregate(mean, sent))
+            results.append(Aggregate(mean, SparseEntries(mine.indices[reached], mine.values[reached], unit.numel)))
         return results

@@ -10,7 +10,7 @@ from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
-from lightning_gradcomp.compressors.sparse import SparsePayload
+from lightning_gradcomp.compressors.sparse import SparseEntries, SparsePayload
 from lightning_gradcomp.compressors.ternary import TernaryPayload
 from lightning_gradcomp.compressors.terngrad import TernGradCompressor
 from lightning_gradcomp.compressors.topk import TopKCompressor
@@ -57,6 +57,7 @@ __all__ = [
     "GaussianKCompressor",
     "IdentityCompressor",
     "Payload",
+    "SparseEntries",
     "SparsePayload",
     "TernGradCompressor",
     "TernaryPayload",

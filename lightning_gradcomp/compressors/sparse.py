@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,3 +74,41 @@ class SparsePayload(Payload):
     def accumulate(self, out: Tensor) -> Tensor:
         """Add the entries into the flat dense tensor ``out`` (in place)."""
         return out.index_add_(0, self.indices, self.values)
+
+
+@dataclass(frozen=True)
+class SparseEntries:
+    """Some entries of a flat tensor of ``numel`` elements (unique ``indices``, any order); the rest are zero.
+
+    How the aggregators report what of a sparse payload reached the result, so that error
+    feedback subtracts ``k`` entries instead of a dense tensor (one scatter instead of a
+    zero-fill, a scatter and a full subtraction).
+    """
+
+    indices: Tensor
+    values: Tensor
+    numel: int
+
+    def to_dense(self) -> Tensor:
+        """The dense flat tensor."""
+        dense = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        return dense.index_put_((self.indices,), self.values)
+
+    def subtract_from_(self, out: Tensor) -> Tensor:
+        """``out -= self`` in place (exact: an entry equal to the subtracted value becomes exactly 0)."""
+        return out.index_add_(0, self.indices, self.values, alpha=-1)
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        """``out += alpha * self`` in place."""
+        return out.index_add_(0, self.indices, self.values, alpha=alpha)
+
+    def split(self, numels: Sequence[int]) -> list[SparseEntries]:
+        """The entries of each consecutive slice of ``numels`` elements, with indices local to the slice."""
+        if len(numels) == 1:
+            return [self]
+        parts, start = [], 0
+        for n in numels:
+            inside = (self.indices >= start) & (self.indices < start + n)
+            parts.append(SparseEntries(self.indices[inside] - start, self.values[inside], n))
+            start += n
+        return parts

@@ -1,0 +1,159 @@
+"""What a compressed step costs next to plain DDP's, on a link that is not slow: the hook's own overhead.
+
+Two ranks over gloo on loopback, one thread each, train the same model on the same batches with
+plain DDP, the dense baseline through the hook (``ddp_gradcomp_dense``) and every named strategy,
+one after the other in ONE launch, so the ratios are measured side by side. Each strategy runs
+with the hook ``GradCompStrategy`` installs for it (``build_hook``) on a hand-made DDP. Reported
+per method: ms/step (best of ``--repeats`` timed runs of ``--steps`` steps, after warm-up), the
+ratio to plain DDP, the hook's own breakdown (``StepStats``: compress, communicate, decompress;
+ms/step, rank 0) and each rank's peak resident memory while the method ran (memory freed by the
+methods before it is handed back to the system first, ``malloc_trim``).
+
+    python benchmarks/overhead.py --model mlp --model resnet20 --json benchmarks/results/overhead.json
+    python benchmarks/overhead.py --model mlp25m --steps 5 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from network import OURS, build_model
+
+from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp.examples.models import ResNet20
+from lightning_gradcomp.hook import gradcomp_comm_hook
+
+#: model name -> (builder, input shape, classes, batch size)
+MODELS = {
+    "mlp": (lambda: build_model(512), (3, 32, 32), 10, 32),
+    "resnet20": (ResNet20, (3, 32, 32), 10, 32),
+    "mlp25m": (
+        lambda: nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 2048), nn.ReLU(), nn.Linear(2048, 10)),
+        (4096,),
+        10,
+        16,
+    ),
+}
+METHODS = ("ddp", *OURS)
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: int) -> dict:
+    build, shape, classes, batch = MODELS[model_name]
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return what earlier methods freed to the system...
+    Path("/proc/self/clear_refs").write_text("5")  # ...and count this method's peak only
+    torch.manual_seed(0)
+    model = build()
+    ddp = DistributedDataParallel(model)
+    hook = None
+    if method != "ddp":
+        hook = GradCompStrategy(**NAMED_STRATEGIES[method][1]).build_hook(model)
+        ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(batch, *shape, generator=gen)
+    y = torch.randint(0, classes, (batch,), generator=gen)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    best = float("inf")
+    for _ in range(args.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        dist.barrier()
+        best = min(best, (time.perf_counter() - start) / args.steps)
+    row = {"method": method, "ms_per_step": 1e3 * best, "peak_rss_mib": _kib("VmHWM") / 1024}
+    if hook is not None:
+        timed = [s for s in hook.history if s.compressed][-args.steps * args.repeats :]
+        for part in ("compress", "communicate", "decompress"):
+            row[part] = 1e3 * sum(getattr(s, f"seconds_{part}") for s in timed) / max(1, len(timed))
+        row["bytes_sent"] = sum(s.bytes_sent for s in timed) / max(1, len(timed))
+        row["collectives"] = sum(s.collectives for s in timed) / max(1, len(timed))
+    return row
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
+    results = {}
+    for model_name in args.model:
+        rows = []
+        for method in args.methods.split(","):
+            rows.append(_run_method(method, model_name, args, rank))
+            if rank == 0:
+                print(f"{model_name} {method}: {rows[-1]['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+        results[model_name] = rows
+    torch.save(results, Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _table(model_name: str, ranks: list[list[dict]]) -> str:
+    rows = ranks[0]
+    base = rows[0]["ms_per_step"] if rows[0]["method"] == "ddp" else float("nan")
+    lines = [
+        f"\n{model_name}: ms/step, x plain DDP, the hook's breakdown on rank 0 (ms/step), peak RSS per rank (MiB)",
+        f"{'method':<20}{'ms/step':>9}{'x DDP':>7}{'compress':>10}{'communicate':>13}{'decompress':>12}"
+        f"{'collectives':>13}{'peak RSS':>18}",
+    ]
+    for i, r in enumerate(rows):
+        peaks = "/".join(f"{rank_rows[i]['peak_rss_mib']:.0f}" for rank_rows in ranks)
+        parts = "".join(f"{r[p]:>{w}.1f}" if p in r else f"{'':>{w}}" for p, w in
+                        (("compress", 10), ("communicate", 13), ("decompress", 12), ("collectives", 13)))  # fmt: skip
+        lines.append(f"{r['method']:<20}{r['ms_per_step']:>9.1f}{r['ms_per_step'] / base:>7.2f}{parts}{peaks:>18}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), help="repeatable (default: mlp)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    args.model = args.model or ["mlp"]
+    os.environ.update(OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(args.ranks, args, str(Path(out) / "store"), out), nprocs=args.ranks)
+        ranks = [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(args.ranks)]
+    for model_name in args.model:
+        print(_table(model_name, [r[model_name] for r in ranks]))
+    if args.json:
+        args.json.write_text(json.dumps({"setup": vars(args) | {"json": str(args.json)}, "ranks": ranks}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
