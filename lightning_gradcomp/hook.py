@@ -295,7 +295,7 @@ class GradCompHook:
         for (unit, grads), parts, contribution, agg in zip(ready, inputs, contributions, aggregates, strict=True):
             means = agg.mean.split(unit.numels)
             if unit.compressed:
-                reached = agg.reached.split(unit.numels)
+                reached = agg.reached.split(unit.numels) if self.memory.uses_sent else [None] * len(unit.names)
                 outputs = [self.memory.reconstruct(n, m) for n, m in zip(unit.names, means, strict=True)]
                 # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
                 # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.

@@ -50,9 +50,14 @@ def _dense(sent: Sent) -> Tensor:
 
 
 class Memory(ABC):
-    """Per-parameter compression state."""
+    """Per-parameter compression state.
+
+    ``uses_sent``: whether :meth:`update` reads what was sent (a memoryless method does not, and the
+    hook then never decodes the local payload for it).
+    """
 
     name: ClassVar[str]
+    uses_sent: ClassVar[bool] = True
 
     @abstractmethod
     def compensate(self, name: str, grad: Tensor) -> Tensor:
@@ -98,6 +103,7 @@ class NoMemory(Memory):
     """Memoryless: compress the gradient itself (``memory="none"``)."""
 
     name = "none"
+    uses_sent = False
 
     def compensate(self, name: str, grad: Tensor) -> Tensor:
         return grad

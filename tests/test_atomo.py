@@ -22,6 +22,7 @@ from lightning_gradcomp.compressors.atomo import (
     atomo_probabilities,
     one_pass_probabilities,
     sampling_variance,
+    spectral_decomposition,
 )
 
 Z = 5.0  # tolerance in standard deviations of the quantity tested
@@ -379,3 +380,34 @@ def test_atomo_fit_on_mnist_is_within_one_and_a_half_points_of_dense() -> None:
           f"vs dense {atomo['dense_bytes']:.0f}")  # fmt: skip
     assert atomo["val_acc"] >= dense["val_acc"] - 0.015
     assert atomo["bytes_sent"] < atomo["dense_bytes"] / 4
+
+
+@pytest.mark.parametrize("shape", [(64, 576), (576, 64), (64, 64), (10, 512), (7, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_spectral_decomposition_reconstructs_to_working_precision_and_matches_the_svd(
+    shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    a = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    u, sigma, vh = spectral_decomposition(a)
+    eps = torch.finfo(dtype).eps
+    r = min(shape)
+    assert u.shape == (shape[0], r) and sigma.shape == (r,) and vh.shape == (r, shape[1])
+    # the sum of all atoms is the matrix (what makes the sampled estimator unbiased), to working precision
+    assert float((u @ torch.diag(sigma) @ vh - a).norm() / a.norm()) < 50 * eps
+    # the basis is orthonormal and the singular values are the SVD's, to eps * ||A||
+    basis = u if shape[0] <= shape[1] else vh.T
+    assert float((basis.T @ basis - torch.eye(r, dtype=dtype)).abs().max()) < 50 * eps
+    svd = torch.linalg.svdvals(a)
+    assert float((sigma - svd).abs().max()) < 50 * eps * float(svd[0])
+    assert bool((sigma[:-1] >= sigma[1:]).all())
+
+
+def test_spectral_decomposition_of_a_rank_deficient_matrix_keeps_every_atom_exact() -> None:
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(40, 3, generator=gen, dtype=torch.float64) @ torch.randn(3, 300, generator=gen, dtype=torch.float64)
+    u, sigma, vh = spectral_decomposition(a)
+    assert float((u @ torch.diag(sigma) @ vh - a).norm() / a.norm()) < 1e-13
+    assert float(sigma[3:].max()) < 1e-12 * float(sigma[0])  # the null directions carry (almost) nothing
+    assert torch.isfinite(vh).all()
+    zero = spectral_decomposition(torch.zeros(4, 9))
+    assert torch.equal(zero[1], torch.zeros(4)) and torch.equal(zero[2], torch.zeros(4, 9))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -32,12 +33,23 @@ class Aggregate:
 
     Attributes:
         mean: the average over ranks of the decompressed payloads (flat).
-        reached: what of this rank's payload reached ``mean``, which memory subtracts: the
-            entries themselves for a sparse payload, else the dense decompressed tensor.
+        local: this rank's contribution, when all of it reached ``mean``.
+        partial: what of it reached ``mean`` when only part did (gTop-k drops entries on the way).
     """
 
     mean: Tensor
-    reached: Tensor | SparseEntries
+    local: Contribution | None = None
+    partial: Tensor | SparseEntries | None = None
+
+    @cached_property
+    def reached(self) -> Tensor | SparseEntries:
+        """What of this rank's payload reached ``mean``, which memory subtracts: the entries themselves
+        for a sparse payload, else the dense decompressed tensor (decoded only when asked for: a
+        memoryless method never pays for it)."""
+        if self.partial is not None:
+            return self.partial
+        assert self.local is not None
+        return local_part(self.local.codec, self.local.payload)
 
     @property
     def sent(self) -> Tensor:
@@ -91,7 +103,7 @@ class AllreduceAggregator(Aggregator):
             for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
                 totals[i] = total
         return [
-            Aggregate(c.codec.from_sum(total, c.payload, world), local_part(c.codec, c.payload))
+            Aggregate(c.codec.from_sum(total, c.payload, world), local=c)
             for c, total in zip(contributions, totals, strict=True)
         ]
 
@@ -135,7 +147,7 @@ class AllgatherAggregator(Aggregator):
                     payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
                 offsets[r] += size
             total = c.codec.accumulate_all(payloads, torch.zeros(shape.numel(), dtype=dtype, device=local.device))
-            results.append(Aggregate(total.div_(world), local_part(c.codec, c.payload)))
+            results.append(Aggregate(total.div_(world), local=c))
         return results
 
 

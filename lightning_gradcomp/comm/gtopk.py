@@ -289,5 +289,7 @@ class GTopKAggregator(Aggregator):
             mean = torch.zeros(unit.numel, dtype=unit.dtype, device=device)
             mean[entries.indices] = entries.values / world
             reached = torch.isin(mine.indices, alive)
-            results.append(Aggregate(mean, SparseEntries(mine.indices[reached], mine.values[reached], unit.numel)))
+            results.append(
+                Aggregate(mean, partial=SparseEntries(mine.indices[reached], mine.values[reached], unit.numel))
+            )
         return results

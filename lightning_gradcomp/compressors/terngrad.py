@@ -78,6 +78,7 @@ class TernGradCompressor(Compressor):
         if not isinstance(share_scale, bool):
             raise ValueError(f"share_scale must be True or False, got {share_scale!r}")
         self.share_scale = share_scale
+        self._remembered: tuple[int, int, torch.Size, Tensor] | None = None
 
     @property
     def shares_scale(self) -> bool:
@@ -96,14 +97,25 @@ class TernGradCompressor(Compressor):
         return g, scale
 
     def local_scale(self, x: Tensor) -> Tensor:
-        """This rank's scaler ``max|clipped g|`` as a 0-dim float32 tensor."""
-        return self._prepare(x)[1]
+        """This rank's scaler ``max|clipped g|`` as a 0-dim float32 tensor.
+
+        The hook asks for it, agrees on the MAX over ranks, then calls :meth:`compress` on the same,
+        unchanged tensor: the scaler is remembered for that call (keyed by the tensor's storage and
+        in-place version counter), so its two reductions run once per step, not twice.
+        """
+        scale = self._prepare(x)[1]
+        self._remembered = (x.data_ptr(), x._version, x.shape, scale)
+        return scale
 
     def compress(
         self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
     ) -> TernaryPayload:
         """Ternarize ``x`` with its own scaler, or with the shared ``scale`` (never below its own)."""
-        g, local = self._prepare(x)
+        remembered, self._remembered = self._remembered, None
+        if remembered is not None and remembered[:3] == (x.data_ptr(), x._version, x.shape):
+            g, local = x.detach().reshape(-1).to(torch.float32), remembered[3]
+        else:
+            g, local = self._prepare(x)
         if scale is None:
             used = local
         else:
@@ -129,7 +141,7 @@ class TernGradCompressor(Compressor):
         """Add ``codes * s`` into ``out``, computed in fp32 (fp64 for fp64) and rounded once."""
         assert isinstance(payload, TernaryPayload)
         work = working_dtype(out.dtype)
-        return out.copy_(out.to(work) + payload.codes.to(work) * payload.scales[0].to(work))
+        return out.add_(torch.mul(payload.codes, payload.scales[0].to(work)))
 
     def accumulate_all(self, payloads: Sequence[Payload], out: Tensor) -> Tensor:
         """Every rank's codes summed as integers, times the shared scaler, rounded once.
@@ -143,11 +155,13 @@ class TernGradCompressor(Compressor):
         assert isinstance(first, TernaryPayload)
         if not all(isinstance(p, TernaryPayload) and torch.equal(p.scales, first.scales) for p in payloads[1:]):
             return super().accumulate_all(payloads, out)
-        total = first.codes.to(torch.int32)
+        # int8 holds a sum of up to 127 codes in {-1, 0, 1}; int32 beyond
+        total = first.codes.to(torch.int8 if len(payloads) <= INT8_WORLD_LIMIT else torch.int32, copy=True)
         for payload in payloads[1:]:
             total += payload.codes
         work = working_dtype(out.dtype)
-        return out.copy_(out.to(work) + total.to(work) * first.scales[0].to(work))
+        # the integer sum times S, one rounding (a float product of an exact integer), then added
+        return out.add_(torch.mul(total, first.scales[0].to(work)))
 
     @property
     def summable_across_ranks(self) -> bool:
