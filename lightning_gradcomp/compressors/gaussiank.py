@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
-from lightning_gradcomp.compressors.topk import TopKCompressor, k_for
+from lightning_gradcomp.compressors.topk import TopKCompressor
 
 #: The count lands in ``[LOWER * k, k]``: a threshold that keeps too few is lowered by ``SHRINK``.
 LOWER = 0.5
@@ -103,13 +103,8 @@ class GaussianKCompressor(TopKCompressor):
         z = normal_quantile(1.0 - self.density / 2.0) if self.density < 1.0 else 0.0
         return abs(mu) + z * sigma
 
-    def select(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Indices of between ``k/2`` and ``k`` entries of largest ``|x|``; see the class."""
-        flat = x.reshape(-1)
-        d = flat.numel()
-        k = k_for(d, self.density)
-        if k >= d:
-            return torch.arange(d, device=flat.device)
+    def select_k(self, flat: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
+        """Indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class."""
         thr = self.threshold(flat)
         if not math.isfinite(thr):
             return self.exact_select(flat)

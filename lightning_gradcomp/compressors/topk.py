@@ -91,12 +91,15 @@ class TopKCompressor(Compressor):
         return torch.topk(flat.abs(), k_for(flat.numel(), self.density), sorted=False).indices
 
     def select(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Indices of exactly ``k`` entries of largest ``|x|`` (unordered); see the class for the method."""
+        """Indices of the entries kept (unordered): all of them when ``k >= d``, else :meth:`select_k`'s."""
         flat = x.reshape(-1)
-        d = flat.numel()
-        k = k_for(d, self.density)
-        if k >= d:
-            return torch.arange(d, device=flat.device)
+        k = k_for(flat.numel(), self.density)
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), device=flat.device)
+        return self.select_k(flat, k, generator)
+
+    def select_k(self, flat: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
+        """Indices of exactly ``k < d`` entries of largest ``|flat|``; see the class for the method."""
         if generator is None:
             return self.exact_select(flat)
         thr = self.sample_threshold(flat, generator)
