@@ -52,8 +52,8 @@ def _dense(sent: Sent) -> Tensor:
 class Memory(ABC):
     """Per-parameter compression state.
 
-    ``uses_sent``: whether :meth:`update` reads what was sent (a memoryless method does not, and the
-    hook then never decodes the local payload for it).
+    ``uses_sent``: whether :meth:`update` reads what was sent (a memoryless method does not: the
+    hook then never decodes the local payload for it and passes ``None``).
     """
 
     name: ClassVar[str]

@@ -113,12 +113,12 @@ class GradCompStrategy(DDPStrategy):
             raises a ``ValueError`` naming both sizes (``"error"``), or starts the compression state
             afresh with a warning (``"reset"``): residuals and shifts are per rank and cannot be split
             or merged without changing the run.
+        **kwargs: every other :class:`DDPStrategy` argument (``timeout``, ``start_method``, ...)
+            and ``DistributedDataParallel`` keyword (``bucket_cap_mb``, ``find_unused_parameters``, ...).
 
     Checkpoints: every rank writes its own compression state (residuals, shifts, step counter)
     beside the checkpoint file, in ``<checkpoint>.gradcomp/`` (see :mod:`lightning_gradcomp.checkpoint`);
     rank 0 never holds another rank's state.
-        **kwargs: every other :class:`DDPStrategy` argument (``timeout``, ``start_method``, ...)
-            and ``DistributedDataParallel`` keyword (``bucket_cap_mb``, ``find_unused_parameters``, ...).
     """
 
     strategy_name = "ddp_gradcomp"

@@ -97,11 +97,34 @@ def test_gaussiank_never_selects_nothing_from_a_nonzero_tensor(x: torch.Tensor, 
     assert torch.equal(GaussianKCompressor(density).select(-x).sort().values, indices.sort().values)
 
 
-def test_gaussiank_selects_nothing_from_zeros_and_has_no_fixed_payload_size() -> None:
+def test_gaussiank_selects_nothing_from_zeros_in_a_fixed_size_payload() -> None:
     codec = GaussianKCompressor(0.01)
     payload = codec.compress(torch.zeros(3, 500))
-    assert payload.k == 0 and payload.nbytes == 0
-    assert codec.payload_nbytes(torch.Size([3, 500]), torch.float32) is None
+    k = k_for(1500, 0.01)
+    assert payload.k == 0 and payload.nbytes == 4 + k * 8 == codec.payload_nbytes(torch.Size([3, 500]), torch.float32)
+    assert payload.to_bytes().numel() == payload.nbytes
+    assert codec.unpack(payload.to_bytes(), torch.Size([3, 500]), torch.float32).k == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gaussiank_payloads_fill_k_slots_whatever_the_count_and_round_trip(dtype: torch.dtype) -> None:
+    codec = GaussianKCompressor(0.001)
+    size = codec.payload_nbytes(torch.Size([D]), dtype)
+    counts = set()
+    for seed in range(4):
+        x = _error_feedback_like(seed, 0.001, steps=3 * seed).to(dtype)
+        payload = codec.compress(x)
+        wire = payload.to_bytes()
+        counts.add(payload.k)
+        assert wire.numel() == payload.nbytes == size  # fixed: no size exchange in the allgather
+        back = codec.unpack(wire, x.shape, dtype)
+        assert torch.equal(back.indices, payload.indices) and torch.equal(back.values, payload.values)
+    with pytest.raises(ValueError, match="expected"):
+        codec.unpack(torch.zeros(size - 1, dtype=torch.uint8), torch.Size([D]), dtype)
+    bad = torch.zeros(size, dtype=torch.uint8)
+    bad[:4] = torch.tensor([10**6], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(ValueError, match="claims 1000000 entries in 200 slots"):
+        codec.unpack(bad, torch.Size([D]), dtype)
 
 
 def test_gaussiank_threshold_is_the_papers_formula_and_payloads_round_trip() -> None:

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
-from lightning_gradcomp.compressors.topk import TopKCompressor
+from lightning_gradcomp.compressors.sparse import SparsePayload
+from lightning_gradcomp.compressors.topk import TopKCompressor, k_for
 
 #: The count lands in ``[LOWER * k, k]``: a threshold that keeps too few is lowered by ``SHRINK``.
 LOWER = 0.5
@@ -69,7 +70,9 @@ class GaussianKCompressor(TopKCompressor):
     entries all of one magnitude, or ``k`` above the number of blocks). An all-zero tensor selects
     nothing (an empty payload).
 
-    The count varies per call and per rank, so :meth:`payload_nbytes` is ``None``.
+    The count varies per call and per rank, at most ``k``: payloads carry it in a header and fill
+    ``k`` fixed slots, so their size is fixed (:meth:`payload_nbytes`) and the allgather needs no
+    exchange of sizes, one collective instead of two (padding costs at most ``k/2`` entries' bytes).
 
     Args:
         density: the target fraction ``rho = k / d`` of entries kept, in (0, 1].
@@ -85,9 +88,20 @@ class GaussianKCompressor(TopKCompressor):
             raise ValueError(f"refinements must be an integer in [0, 10], got {refinements!r}")
         self.refinements = refinements
 
-    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        """``None``: the number of entries, hence the size, varies per call and per rank."""
-        return None
+    def compress(
+        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+    ) -> SparsePayload:
+        """The selected entries in ``k`` fixed slots (the count varies, the wire size does not)."""
+        flat = x.reshape(-1)
+        indices = self.select(flat, generator)
+        return SparsePayload(indices, flat[indices], x.shape, slots=k_for(flat.numel(), self.density))
+
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
+        return SparsePayload.from_bytes(buffer, shape, dtype, slots=k_for(shape.numel(), self.density))
+
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        """A count and ``k`` slots: ``4 + k * (index + value bytes)``, whatever the count."""
+        return super().payload_nbytes(shape, dtype) + 4
 
     def threshold(self, x: Tensor) -> float:
         """The initial threshold ``|mu| + Phi^-1(1 - rho/2) * sigma`` of the flat tensor ``x`` (0 for an empty one)."""

@@ -29,12 +29,16 @@ class SparsePayload(Payload):
     """``k`` entries of a tensor of ``shape`` (flat indices); absent entries are zero.
 
     Wire form: the indices (int32 below 2**31 elements, else int64), then the values in the
-    gradient's dtype: ``k * (4 + itemsize)`` bytes for the usual case.
+    gradient's dtype: ``k * (4 + itemsize)`` bytes for the usual case. With ``slots`` (a compressor
+    whose count varies up to a known bound, Gaussian_k), the wire form has a fixed size instead: the
+    count as int32, then ``slots`` indices and ``slots`` values, zero-padded, so that an allgather
+    needs no exchange of sizes (one collective instead of two, as gTop-k's fixed sets).
     """
 
     indices: Tensor
     values: Tensor
     shape: torch.Size
+    slots: int | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -51,16 +55,35 @@ class SparsePayload(Payload):
 
     @property
     def nbytes(self) -> int:
-        return self.k * (itemsize(index_dtype(self.numel)) + self.values.element_size())
+        per_entry = itemsize(index_dtype(self.numel)) + self.values.element_size()
+        return self.k * per_entry if self.slots is None else 4 + self.slots * per_entry
 
     def to_bytes(self) -> Tensor:
-        return to_bytes([self.indices.to(index_dtype(self.numel)), self.values])
+        indices = self.indices.to(index_dtype(self.numel))
+        if self.slots is None:
+            return to_bytes([indices, self.values])
+        if self.k > self.slots:
+            raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
+        pad = self.slots - self.k
+        count = torch.tensor([self.k], dtype=torch.int32, device=self.values.device)
+        return to_bytes([count, zero_padded(indices, pad), zero_padded(self.values, pad)])
 
     @classmethod
-    def from_bytes(cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
-        """Parse the wire form; the entry count follows from the buffer's length."""
+    def from_bytes(
+        cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype, slots: int | None = None
+    ) -> SparsePayload:
+        """Parse the wire form; the entry count follows from the buffer's length, or from its header with ``slots``."""
         numel = shape.numel()
         per_entry = itemsize(index_dtype(numel)) + itemsize(dtype)
+        if slots is not None:
+            if buffer.numel() != 4 + slots * per_entry:
+                raise ValueError(f"sparse payload of {buffer.numel()} bytes, expected {4 + slots * per_entry}")
+            reader = ByteReader(buffer)
+            k = int(reader.take(1, torch.int32))
+            if not 0 <= k <= slots:
+                raise ValueError(f"sparse payload claims {k} entries in {slots} slots")
+            indices = reader.take(slots, index_dtype(numel))[:k].long()
+            return cls(indices, reader.take(slots, dtype)[:k], shape, slots)
         if buffer.numel() % per_entry:
             raise ValueError(
                 f"sparse payload of {buffer.numel()} bytes is not a whole number of {per_entry}-byte entries"
@@ -74,6 +97,11 @@ class SparsePayload(Payload):
     def accumulate(self, out: Tensor) -> Tensor:
         """Add the entries into the flat dense tensor ``out`` (in place)."""
         return out.index_add_(0, self.indices, self.values)
+
+
+def zero_padded(t: Tensor, extra: int) -> Tensor:
+    """``t`` (1-D) followed by ``extra`` zeros."""
+    return torch.cat([t, t.new_zeros(extra)]) if extra else t
 
 
 @dataclass(frozen=True)
