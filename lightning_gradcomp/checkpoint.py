@@ -107,13 +107,11 @@ def remove_shards(checkpoint_path: str | os.PathLike, rank: int, world_size: int
     """
     folder = shard_dir(checkpoint_path)
     fs = get_filesystem(folder)
-    try:
-        if rank == 0:
-            if fs.exists(folder):
-                fs.rm(folder, recursive=True)
-        else:
-            path = shard_path(checkpoint_path, rank, world_size)
-            if fs.exists(path):
-                fs.rm(path)
-    except FileNotFoundError:
-        pass  # another rank removed it meanwhile
+    target, recursive = (folder, True) if rank == 0 else (shard_path(checkpoint_path, rank, world_size), False)
+    for _ in range(3):  # another rank may remove its own shard while rank 0 walks the folder: walk again
+        try:
+            if fs.exists(target):
+                fs.rm(target, recursive=recursive)
+            return
+        except FileNotFoundError:
+            continue
