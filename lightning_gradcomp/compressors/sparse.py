@@ -126,10 +126,6 @@ class SparseEntries:
         """``out -= self`` in place (exact: an entry equal to the subtracted value becomes exactly 0)."""
         return out.index_add_(0, self.indices, self.values, alpha=-1)
 
-    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
-        """``out += alpha * self`` in place."""
-        return out.index_add_(0, self.indices, self.values, alpha=alpha)
-
     def split(self, numels: Sequence[int]) -> list[SparseEntries]:
         """The entries of each consecutive slice of ``numels`` elements, with indices local to the slice."""
         if len(numels) == 1:
