@@ -160,10 +160,8 @@ class GradCompHook:
         self.compressor = compressor
         self.memory = memory
         self.aggregator = aggregator
-        self.granularity = granularity
         self.units = plan_units(named_parameters, granularity, min_compress_numel, dense_names, unit_cap_mb)
         self.warmup_steps = warmup_steps
-        self.seed = seed
         self.counter = CommCounter()
         self.collectives = Collectives(group, self.counter)
         self.world_size = self.collectives.world_size
@@ -277,7 +275,7 @@ class GradCompHook:
         for (unit, _), x in zip(ready, tensors, strict=True):
             if unit.compressed:
                 generator = self.streams.generator(x.device, self.step, unit.key)
-                payload = self.compressor.compress(x, generator, scales.get(unit.index))
+                payload = self.compressor.compress(x, generator, **scales.get(unit.index, {}))
                 contributions.append(Contribution(self.compressor, payload))
                 selected = payload.k if isinstance(payload, SparsePayload) else None
                 stats.numel_compressed += x.numel()
@@ -341,8 +339,9 @@ class GradCompHook:
                 stats.captures[name] = Capture(raw, part.clone(), local.clone(), mine.clone())
         self._capture = self._capture.difference(stats.captures)
 
-    def _shared_scales(self, units: list[Unit], tensors: list[Tensor]) -> dict[int, Tensor]:
-        """The MAX over ranks of each compressed unit's local scale, by unit index: one small collective."""
+    def _shared_scales(self, units: list[Unit], tensors: list[Tensor]) -> dict[int, dict[str, Tensor]]:
+        """By unit index, the MAX over ranks of each compressed unit's local scale (one small collective),
+        with the local scale itself: ``compress``'s ``scale`` and ``local_scale`` arguments."""
         if not self.compressor.shares_scale:
             return {}
         pairs = zip(units, tensors, strict=True)
@@ -351,7 +350,10 @@ class GradCompHook:
             return {}
         stacked = torch.stack([scale.float() for scale in local.values()])
         self.collectives.all_reduce_(stacked, op=dist.ReduceOp.MAX)
-        return dict(zip(local, stacked.unbind(), strict=True))
+        return {
+            index: {"scale": shared, "local_scale": own}
+            for (index, own), shared in zip(local.items(), stacked.unbind(), strict=True)
+        }
 
     def _finish_step(self, stats: StepStats) -> None:
         stats.bytes_sent = self.counter.bytes_sent

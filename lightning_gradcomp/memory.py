@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import SparseEntries
+from lightning_gradcomp.compressors.sparse import dense_of
 
 Sent = Tensor | SparseEntries
 
@@ -43,10 +44,6 @@ def all_finite(x: Tensor) -> bool:
         return True
     total = x.sum(dtype=torch.float32) if x.element_size() < 4 else x.sum()
     return math.isfinite(float(total))
-
-
-def _dense(sent: Sent) -> Tensor:
-    return sent.to_dense() if isinstance(sent, SparseEntries) else sent
 
 
 class Memory(ABC):
@@ -126,7 +123,7 @@ class ErrorFeedback(Memory):
     """Error feedback (``memory="ef"``): ``acc = grad + residual``; ``residual = acc - sent``.
 
     What a biased compressor drops is added to the next step's gradient instead of being lost
-    (Shi et al., ICDCS 2019, Algorithm 1; ALGORITHMS.md Sec. 4). For a sparsifier ``sent`` equals
+    (Shi et al., ICDCS 2019, Algorithm 1). For a sparsifier ``sent`` equals
     ``acc`` where it is nonzero, so ``sent + residual == acc`` holds exactly. A non-finite ``acc``
     leaves the residual as it was.
     """
@@ -183,7 +180,7 @@ class ErrorFeedback(Memory):
 
 
 class Diana(Memory):
-    """DIANA (Mishchenko et al., 2019, Algorithm 1; ALGORITHMS.md Sec. 2): compress gradient differences.
+    """DIANA (Mishchenko et al., 2019, Algorithm 1): compress gradient differences.
 
     Each rank keeps a shift ``h_i`` per parameter and every rank the same global shift ``h``:
 
@@ -250,7 +247,7 @@ class Diana(Memory):
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         alpha = self.alpha_for(compensated.numel() if unit_numel is None else unit_numel)
         self.alphas[name] = alpha
-        sent = _dense(sent)
+        sent = dense_of(sent)
         # h depends on the mean alone, identical on every rank; h_i skips a non-finite local step
         steps = [(self._global, mean)]
         if all_finite(sent):

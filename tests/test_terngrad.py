@@ -481,3 +481,14 @@ def test_terngrad_fit_on_mnist_trains_close_to_dense(record_property: Callable[[
     assert dense["val_acc"] > 0.9, "the dense baseline did not learn: the comparison would be meaningless"
     assert tern["val_acc"] >= dense["val_acc"] - 0.03
     assert ratio > 10  # the small layers (conv1, fc3, biases) stay dense
+
+
+def test_a_local_scale_handed_over_gives_the_same_codes_as_computing_it() -> None:
+    compressor = TernGradCompressor()
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(5)) * 0.1
+    local = compressor.local_scale(x)
+    shared = local * 1.5  # another rank's scaler was larger
+    own = compressor.compress(x, torch.Generator().manual_seed(1), shared)
+    handed = compressor.compress(x, torch.Generator().manual_seed(1), shared, local_scale=local)
+    assert torch.equal(own.codes, handed.codes) and torch.equal(own.scales, handed.scales)
+    assert int(own.codes.abs().sum()) > 0

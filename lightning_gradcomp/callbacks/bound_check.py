@@ -5,28 +5,28 @@ memory handed to the compressor) and ``C(x)`` the local payload decompressed, th
 
     e = ||x - C(x)||^2 / ||x||^2
 
-is compared with what the papers promise (ALGORITHMS.md gives the sources):
+is compared with what the papers promise:
 
 * Top-k family (``compressor.sparse`` and a ``density``: Top-k, Gaussian_k, DGC), with ``k`` the
   entries the payload carried and ``d`` the layer's elements:
 
   - ``e <= 1 - k/d``, always true for any selection of the ``k`` largest magnitudes (the
     contraction property used by Shi et al., ICDCS 2019, and by Shi et al., "Understanding Top-k
-    Sparsification in Distributed Deep Learning"; ALGORITHMS.md Sec. 4-5): the ``d - k``
+    Sparsification in Distributed Deep Learning", 2019, Sec. 4-5): the ``d - k``
     entries dropped are the smallest, so they hold at most a ``(d - k)/d`` share of the energy.
     This is the bound that must hold;
   - ``e <= (1 - k/d)^2``, the tighter bound of "Understanding Top-k Sparsification" that holds
-    when the coordinates are bell-shaped (ALGORITHMS.md Sec. 5). It rests on an empirical
+    when the coordinates are bell-shaped (same paper, Sec. 5). It rests on an empirical
     observation: its violations are counted, never acted on.
 
   ``k`` is the count actually sent: ``k_for(d, density)`` for exact Top-k, approximately that for
-  Gaussian_k, whose count varies (ALGORITHMS.md Sec. 5). The ``k`` largest magnitudes of a slice
+  Gaussian_k, whose count varies (between ``k/2`` and ``k``). The ``k`` largest magnitudes of a slice
   are the slice's own largest, so the bound also holds per parameter under ``granularity="model"`` or ``"group"``.
 * Unbiased compressors with a variance bound ``omega(numel)`` (DIANA's quantizer,
-  Mishchenko et al. 2019; ALGORITHMS.md Sec. 2): ``E[e] <= omega``. One draw is checked against a
+  Mishchenko et al. 2019, Sec. 2): ``E[e] <= omega``. One draw is checked against a
   bound on the expectation, so a violation is a report, not a failure.
-* TernGrad (``compressor.name == "terngrad"``; Wen et al., NIPS 2017, Sec. 3; ALGORITHMS.md
-  Sec. 1): the ratio ``R = ||x||_inf * ||x||_1 / ||x||^2`` of its convergence assumption. With the
+* TernGrad (``compressor.name == "terngrad"``; Wen et al., NIPS 2017, Sec. 3): the
+  ratio ``R = ||x||_inf * ||x||_1 / ||x||^2`` of its convergence assumption. With the
   layer's own scaler ``s = ||x||_inf`` and no clipping, ``E||t||^2 = s ||x||_1`` and so
   ``E[e] = R - 1``; clipping and a shared (larger) scaler move the draw away from it. Reported.
 

@@ -1,7 +1,7 @@
 """``GradientHistogram``: what the gradients look like before and after compression.
 
-Shi et al. ("Understanding Top-k Sparsification in Distributed Deep Learning"; ALGORITHMS.md
-Sec. 5) observe that the coordinates of residual-corrected gradients are bell-shaped; that
+Shi et al. ("Understanding Top-k Sparsification in Distributed Deep Learning", 2019, Sec. 5)
+observe that the coordinates of residual-corrected gradients are bell-shaped; that
 observation is what tightens Top-k's contraction bound and what Gaussian_k's threshold estimate
 rests on. The plots put a Gaussian with the data's mean and standard deviation
 over each histogram, and mark the selection threshold, so the observation can be checked on one's

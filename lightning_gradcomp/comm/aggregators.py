@@ -1,8 +1,10 @@
 """Aggregators: turn every rank's payloads into the average, through counted collectives.
 
 An aggregator sees payloads and the compressor interface that parses and sums them, never a
-particular compressor. Each call handles all of a bucket's layers at once, so a bucket costs one
-collective (plus one exchange of sizes when payload sizes vary across ranks).
+particular compressor. Each call handles every unit the hook hands over at once (the units a
+DDP bucket completed), so the call costs one collective for the payloads (plus one exchange of
+sizes when payload sizes vary across ranks); float sums of dense units get one allreduce each
+(see :class:`AllreduceAggregator`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, Payload, SparseEntries, SparsePayload
+from lightning_gradcomp.compressors.sparse import dense_of
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class Aggregate:
     @property
     def sent(self) -> Tensor:
         """The dense (flat) form of :attr:`reached`, for inspection."""
-        return self.reached.to_dense() if isinstance(self.reached, SparseEntries) else self.reached
+        return dense_of(self.reached)
 
 
 def local_part(codec: Compressor, payload: Payload) -> Tensor | SparseEntries:
@@ -112,7 +115,7 @@ class AllgatherAggregator(Aggregator):
     """Gather every rank's payload bytes (variable sizes allowed) and sum them on every rank.
 
     Costs ``O(P * payload)`` bytes received per rank. Contributions of the identity compressor
-    (tensors left dense, such as biases) are all-reduced instead, in one collective of their own.
+    (tensors left dense, such as biases) are all-reduced apart, by :class:`AllreduceAggregator`.
     """
 
     name = "allgather"

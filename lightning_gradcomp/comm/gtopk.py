@@ -1,7 +1,7 @@
 """gTop-k: merge sparse sets pairwise in log2(P) rounds, keeping k entries, instead of gathering P of them.
 
 Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for Low
-Bandwidth Networks" (ICDCS 2019), Sec. IV, Algorithms 2 and 3; ALGORITHMS.md Sec. 4.
+Bandwidth Networks" (ICDCS 2019), Sec. IV, Algorithms 2 and 3.
 
 Every rank holds a sparse set of at most ``k`` entries per tensor. A *merge* of two sets sums
 the values at shared indices and keeps the ``k`` entries of largest ``|value|``. The authors
@@ -18,13 +18,13 @@ butterfly, so that every rank ends with the result and no broadcast is needed:
   ``j`` finally sends the result back to rank ``P' + j``. (The authors' code needs ``P`` to be
   a power of two.)
 
-Cost per rank and bucket, ``P`` a power of two, ``B = k * (index + value bytes)``: ``log2(P)``
+Cost per rank and call, ``P`` a power of two, ``B = k * (index + value bytes)``: ``log2(P)``
 messages of ``B`` sent and received, i.e. ``alpha * log2(P) + 2k * log2(P) * beta`` in the
 paper's model (``k`` values and ``k`` indices per round), against ``2 (P - 1) k beta`` for an
 allgather of the Top-k sets and ``2 (P - 1) / P * d * beta`` for a dense ring allreduce. Bytes
 per rank per step therefore grow like ``log2(P)``, where the allgather's received bytes grow
 like ``P``. Otherwise the first ``P - P'`` ranks pay one extra message each way, and the folded
-ranks send and receive one message in all. All units (tensors) of a bucket travel in one
+ranks send and receive one message in all. All units of a call travel in one
 message per round; each unit has a fixed size (a count, then ``k`` index and ``k`` value slots,
 zero-padded), so no sizes are exchanged.
 
@@ -35,7 +35,7 @@ round 0 while ranks 2 and 3 carry ``i`` into the result. Each rank therefore tra
 that survived all merges it performed, and a folded rank receives that mask with the result.
 ``sent`` is the local set restricted to those indices, so that ``sum over ranks of sent`` equals
 ``P * mean`` (up to summation order) and nothing is lost from the error-feedback residual. The
-authors (and ALGORITHMS.md) put back only local entries whose index is absent from the final
+authors put back only local entries whose index is absent from the final
 set; that loses the values dropped on the way.
 """
 
@@ -225,9 +225,9 @@ class GTopKAggregator(Aggregator):
 
     For sparse compressors (``codec.sparse``) with a ``density``; ``k = k_for(numel, density)``
     per contribution, read at every call (a density schedule may change it). A payload with more
-    than ``k`` entries (Gaussian_k's count varies) is cut to its ``k`` largest first.
-    Contributions of the identity compressor (parameters left dense) are all-reduced, in one
-    collective of their own. See the module docstring for the butterfly, its cost
+    than ``k`` entries (a compressor whose count varies) is cut to its ``k`` largest first.
+    Contributions of the identity compressor (parameters left dense) are all-reduced apart, by
+    :class:`~lightning_gradcomp.comm.AllreduceAggregator`. See the module docstring for the butterfly, its cost
     (``alpha log2 P + 2k log2 P beta``), any-``P`` folding, and what counts as sent.
 
     ``mean`` is the global set divided by ``P`` (dense, flat, at most ``k`` nonzeros) and is

@@ -10,7 +10,7 @@ for an expected number of atoms ``sum_i p_i = s`` (Sec. 3, the variance-minimisa
 solved by Algorithm 1). *Spectral* ATOMO (Sec. 5) takes the atoms of the singular value
 decomposition of each layer's gradient viewed as a matrix, ``G = sum_i sigma_i u_i v_i^T``: each
 kept atom costs ``m + n + 1`` numbers (``u_i``, ``v_i`` and ``sigma_i / p_i``), about
-``s (m + n + 1)`` per layer on average instead of ``m n``. See ALGORITHMS.md Sec. 3.
+``s (m + n + 1)`` per layer on average instead of ``m n``.
 
 Choices of this implementation (each one documented where it happens):
 

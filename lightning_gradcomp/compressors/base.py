@@ -67,7 +67,9 @@ class Compressor(ABC):
         """Compress ``x`` (a parameter's gradient in its own shape, or a flat vector).
 
         ``generator`` drives any randomness (one per rank); ``scale`` is the shared scale when
-        :attr:`shares_scale` is set, else ``None``.
+        :attr:`shares_scale` is set, else ``None``. A compressor that shares a scale also accepts
+        ``local_scale=``, its own :meth:`local_scale` of ``x``, which the caller computed already
+        to agree on ``scale`` (so the compressor need not compute it again).
         """
 
     @abstractmethod

@@ -1,16 +1,16 @@
 """Gaussian_k: a Top-k threshold estimated from the mean and standard deviation, in O(d).
 
 Shi et al., "Understanding Top-k Sparsification in Distributed Deep Learning" (2019), Sec. 5
-(Algorithm "Gaussian_k"); ALGORITHMS.md Sec. 5. Residual-corrected gradients are bell-shaped,
-so if ``acc ~ N(mu, sigma^2)`` the ``k = rho * d`` entries of largest magnitude lie beyond
+(Algorithm "Gaussian_k"). Residual-corrected gradients are bell-shaped, so if
+``acc ~ N(mu, sigma^2)`` the ``k = rho * d`` entries of largest magnitude lie beyond
 
     thr = mu + Phi^-1(1 - rho / 2) * sigma
 
-(``rho / 2`` in each tail). The threshold costs two reductions instead of a sort or a selection,
-and a few refinements repair it when the data are not Gaussian (``2k/3 <= count <= 4k/3`` is
-accepted; below, ``thr *= 0.5``; above, ``thr *= 1.5``; at most three times). The count is
-approximate, so ranks send different numbers of entries: aggregate with ``"allgather"`` (sizes
-are exchanged) or ``"gtopk"`` (which keeps at most ``k`` entries per rank).
+(``rho / 2`` in each tail). The threshold costs two reductions instead of a sort or a selection;
+where the data are not Gaussian it is refined and the count cut, so that between ``k/2`` and
+``k`` entries, the largest, are sent (:class:`GaussianKCompressor` says how, and how this differs
+from the paper's ``[2k/3, 4k/3]`` window). The count varies per rank; payloads fill ``k`` fixed
+slots, so aggregate with ``"allgather"`` (no size exchange) or ``"gtopk"``.
 """
 
 from __future__ import annotations

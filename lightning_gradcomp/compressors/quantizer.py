@@ -1,7 +1,7 @@
 """DIANA's unbiased block p-norm random quantizer (ternary codes, one norm per block).
 
 Mishchenko, Gorbunov, Takac, Richtarik, "Distributed Learning with Compressed Gradient
-Differences" (2019): the "p-quantization" operator and its variance lemma (ALGORITHMS.md Sec. 2).
+Differences" (2019): the "p-quantization" operator of Sec. 2 and its variance lemma.
 A tensor is cut into blocks ``x_l`` of ``d_l`` elements and each block is sent as
 
     Q(x_l) = ||x_l||_p * sign(x_l) * xi_l,    xi_lj ~ Bernoulli(|x_lj| / ||x_l||_p),

@@ -136,3 +136,8 @@ class SparseEntries:
             parts.append(SparseEntries(self.indices[inside] - start, self.values[inside], n))
             start += n
         return parts
+
+
+def dense_of(entries: Tensor | SparseEntries) -> Tensor:
+    """The dense flat tensor of ``entries``, whether they are kept sparse or already dense."""
+    return entries.to_dense() if isinstance(entries, SparseEntries) else entries

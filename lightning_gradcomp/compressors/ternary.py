@@ -1,9 +1,9 @@
 """The 2-bit wire format of ternary codes, and the payload shared by TernGrad and DIANA's quantizer.
 
 Both methods send, per block of a tensor, one fp32 scale ``s_l`` and one code ``c_j`` in
-``{-1, 0, 1}`` per element; the receiver reads ``s_l * c_j``. TernGrad (Wen et al., NIPS 2017;
-ALGORITHMS.md Sec. 1) has one block per layer; DIANA's block p-norm quantizer (Mishchenko et al.
-2019; ALGORITHMS.md Sec. 2) splits a tensor into blocks of ``d_l`` elements. Codes travel at 2
+``{-1, 0, 1}`` per element; the receiver reads ``s_l * c_j``. TernGrad (Wen et al., NIPS 2017,
+Sec. 3) has one block per layer; DIANA's block p-norm quantizer (Mishchenko et al. 2019, Sec. 2,
+"p-quantization") splits a tensor into blocks of ``d_l`` elements. Codes travel at 2
 bits each, four per byte, which is 16x smaller than fp32 (the information limit is ``log2(3) =
 1.58`` bits).
 

@@ -1,7 +1,7 @@
 """TernGrad: stochastic ternary gradients with layer-wise scalers and gradient clipping.
 
 Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning",
-NIPS 2017 (ALGORITHMS.md Sec. 1). Each tensor is replaced by
+NIPS 2017, Sec. 3 (stochastic ternarization, scaler sharing, gradient clipping). Each tensor is replaced by
 
     t = s * sign(g) * b,    b_j ~ Bernoulli(|g_j| / s),    s = max_j |g_j|,
 
@@ -78,7 +78,6 @@ class TernGradCompressor(Compressor):
         if not isinstance(share_scale, bool):
             raise ValueError(f"share_scale must be True or False, got {share_scale!r}")
         self.share_scale = share_scale
-        self._remembered: tuple[int, int, torch.Size, Tensor] | None = None
 
     @property
     def shares_scale(self) -> bool:
@@ -97,25 +96,25 @@ class TernGradCompressor(Compressor):
         return g, scale
 
     def local_scale(self, x: Tensor) -> Tensor:
-        """This rank's scaler ``max|clipped g|`` as a 0-dim float32 tensor.
-
-        The hook asks for it, agrees on the MAX over ranks, then calls :meth:`compress` on the same,
-        unchanged tensor: the scaler is remembered for that call (keyed by the tensor's storage and
-        in-place version counter), so its two reductions run once per step, not twice.
-        """
-        scale = self._prepare(x)[1]
-        self._remembered = (x.data_ptr(), x._version, x.shape, scale)
-        return scale
+        """This rank's scaler ``max|clipped g|`` as a 0-dim float32 tensor."""
+        return self._prepare(x)[1]
 
     def compress(
-        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+        self,
+        x: Tensor,
+        generator: torch.Generator | None = None,
+        scale: Tensor | None = None,
+        local_scale: Tensor | None = None,
     ) -> TernaryPayload:
-        """Ternarize ``x`` with its own scaler, or with the shared ``scale`` (never below its own)."""
-        remembered, self._remembered = self._remembered, None
-        if remembered is not None and remembered[:3] == (x.data_ptr(), x._version, x.shape):
-            g, local = x.detach().reshape(-1).to(torch.float32), remembered[3]
-        else:
+        """Ternarize ``x`` with its own scaler, or with the shared ``scale`` (never below its own).
+
+        ``local_scale``, when given, is this rank's :meth:`local_scale` of ``x`` (the hook computed it
+        to agree on ``scale``), so its reductions do not run twice.
+        """
+        if local_scale is None:
             g, local = self._prepare(x)
+        else:
+            g, local = x.detach().reshape(-1).to(torch.float32), local_scale.to(torch.float32).reshape(())
         if scale is None:
             used = local
         else:

@@ -1,4 +1,5 @@
-"""Exact Top-k sparsification (Shi et al., ICDCS 2019, Sec. III; ALGORITHMS.md Sec. 4)."""
+"""Exact Top-k sparsification (Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k
+Sparsification for Low Bandwidth Networks", ICDCS 2019, Sec. III)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Example networks (LeNet-5, CIFAR ResNet-20 and ResNet-18, CIFAR AlexNet) and a LightningModule that trains them.
 
-The networks are the ones the compression papers report on (ALGORITHMS.md): LeNet-5 on MNIST
+The networks are the ones the compression papers report on: LeNet-5 on MNIST
 (TernGrad), ResNet-20 on CIFAR-10 (gTop-k, Gaussian_k), ResNet-18 on CIFAR-10 (ATOMO), AlexNet
 (TernGrad, gTop-k), here in its usual 32x32 adaptation. They differ in what a compressor meets:
 many small convolutions (ResNet-20: 0.27 M parameters), large convolutions (ResNet-18: 11 M),
