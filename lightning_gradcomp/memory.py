@@ -3,8 +3,9 @@
 The hook calls, for each compressed parameter ``name`` and step:
 
 1. ``x = memory.compensate(name, grad)``: the tensor handed to the compressor (the hook calls
-   :meth:`Memory.compensate_`, which does the same in place in the gradient it is handed: DDP's
-   bucket, overwritten with the average afterwards anyway, so no model-sized tensor is allocated);
+   :meth:`Memory.compensate_`, which does the same in place in the tensor it is handed: a lone
+   parameter's gradient in DDP's bucket, or the hook's kept buffer of a multi-parameter unit, both
+   overwritten with the average afterwards, so no tensor is allocated per step);
 2. ``memory.reconstruct(name, mean)``: after aggregation, the gradient the optimizer sees, from
    the averaged result ``mean`` and the state as it was before this step;
 3. ``memory.update(name, x, sent, mean, unit_numel=n)``: then the state moves on, with ``sent``

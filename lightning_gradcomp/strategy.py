@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.checkpoint import (
     CHECKPOINT_KEY,
+    FORMAT,
     ShardError,
     manifest,
     read_shard,
@@ -52,7 +53,7 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather"},
     ),
     "ddp_gaussiank": (
-        "Gaussian_k: O(d) threshold selection with error feedback, allgather of variable-size payloads",
+        "Gaussian_k: O(d) threshold selection with error feedback, k/2 to k entries in k fixed slots, allgather",
         {"compressor": "gaussiank", "memory": "ef", "aggregator": "allgather", "granularity": "model"},
     ),
     "ddp_gtopk": (
@@ -420,10 +421,16 @@ class GradCompStrategy(DDPStrategy):
 
     def _read_state(self, checkpoint_path: Any, saved: dict[str, Any]) -> dict[str, Any]:
         """This rank's state from a checkpoint's ``"gradcomp"`` entry: its shard, or inline (format 1)."""
-        if "ranks" in saved:  # format 1: every rank's state gathered into the checkpoint
+        version = saved.get("format", 1)
+        if version == 1:  # every rank's state gathered into the checkpoint
             state = saved["ranks"][self.global_rank]
-        else:
+        elif version == FORMAT:
             state = read_shard(checkpoint_path, self.global_rank, saved)
+        else:
+            raise ShardError(
+                f"the checkpoint {checkpoint_path} holds compression state of format {version!r}; this version "
+                f"reads formats 1 and {FORMAT}"
+            )
         for what, mine in (("memory", self.memory.name), ("compressor", self.compressor.name)):
             theirs = state.get(what, saved.get(what))
             if theirs is not None and theirs != mine:

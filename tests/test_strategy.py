@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
+from lightning_gradcomp.checkpoint import ShardError
 
 
 @pytest.mark.parametrize(
@@ -105,3 +106,10 @@ def test_dense_parameters_and_last_layer_resolve_to_names() -> None:
         GradCompStrategy(dense_parameters=["fc.*"]).dense_parameter_names(named)
     with pytest.raises(ValueError, match="dense_parameters must be a list of name patterns"):
         GradCompStrategy(dense_parameters="0.*")
+
+
+def test_a_checkpoint_of_an_unknown_state_format_is_refused_by_name() -> None:
+    with pytest.raises(
+        ShardError, match=r"run.ckpt holds compression state of format 9; this version reads formats 1 and 2"
+    ):
+        GradCompStrategy()._read_state("run.ckpt", {"format": 9, "world_size": 1})

@@ -316,7 +316,11 @@ def _two_paths(rank: int, world_size: int) -> dict:
     quantized_means = AllgatherAggregator().aggregate(
         [Contribution(quantizer, q) for q in quantized], quantized_collectives
     )
+    # one integer summand alone in an allreduce: the payload must come out of it untouched
+    codes_before = payloads[0].codes.clone()
+    (alone,) = AllreduceAggregator().aggregate([contributions[0]], Collectives())
     return {
+        "alone": {"codes_kept": torch.equal(payloads[0].codes, codes_before), "sent": alone.sent},
         "gathered": [a.mean for a in gathered],
         "reduced": [a.mean for a in reduced],
         "sent": [a.sent for a in gathered],
@@ -335,6 +339,13 @@ def _two_paths(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def two_paths(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     return request.param, run_ranks(_two_paths, request.param)
+
+
+def test_the_allreduce_leaves_a_lone_payload_as_it_was(two_paths: tuple[int, list[dict]]) -> None:
+    _, results = two_paths
+    for r in results:
+        assert r["alone"]["codes_kept"]
+        assert torch.equal(r["alone"]["sent"], r["local"][0])  # what this rank sent, not the sum
 
 
 def test_allgather_and_allreduce_give_bit_identical_averages(two_paths: tuple[int, list[dict]]) -> None:

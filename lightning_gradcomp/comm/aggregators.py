@@ -159,7 +159,7 @@ def aggregate_dense_apart(
     collectives: Collectives,
     compressed: Callable[[Sequence[Contribution], Collectives], list[Aggregate]],
 ) -> list[Aggregate]:
-    """Route the identity compressor's contributions (tensors left dense) to one allreduce, the rest to
+    """Route the identity compressor's contributions (tensors left dense) to the allreduce aggregator, the rest to
     ``compressed``, and return the results in the contributions' order."""
     results: list[Aggregate | None] = [None] * len(contributions)
     dense = [i for i, c in enumerate(contributions) if isinstance(c.codec, IdentityCompressor)]

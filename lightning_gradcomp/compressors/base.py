@@ -66,10 +66,10 @@ class Compressor(ABC):
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
         """Compress ``x`` (a parameter's gradient in its own shape, or a flat vector).
 
-        ``generator`` drives any randomness (one per rank); ``scale`` is the shared scale when
-        :attr:`shares_scale` is set, else ``None``. A compressor that shares a scale also accepts
-        ``local_scale=``, its own :meth:`local_scale` of ``x``, which the caller computed already
-        to agree on ``scale`` (so the compressor need not compute it again).
+        ``generator`` drives any randomness (the unit's own stream at this step, on this rank);
+        ``scale`` is the shared scale when :attr:`shares_scale` is set, else ``None``. A compressor
+        that shares a scale also accepts ``local_scale=``, its own :meth:`local_scale` of ``x``,
+        which the caller computed already to agree on ``scale`` (so it need not compute it again).
         """
 
     @abstractmethod
@@ -125,7 +125,9 @@ class Compressor(ABC):
     def summable(self, payload: Payload, world_size: int) -> Tensor:
         """A flat tensor whose sum over ranks :meth:`from_sum` turns into the average.
 
-        Default: the dense decompressed tensor pre-scaled by ``1/P``, as DDP's reducer does.
+        The aggregator reduces it in place, so it must be a tensor of its own, never storage the
+        payload keeps (what reached the average is read off the payload afterwards). Default: the
+        dense decompressed tensor pre-scaled by ``1/P``, as DDP's reducer does.
         """
         return self.decompress(payload) * (1.0 / world_size)
 

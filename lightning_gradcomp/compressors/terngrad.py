@@ -175,7 +175,8 @@ class TernGradCompressor(Compressor):
                 "TernGrad codes can only be summed across ranks when every rank used the same scaler: "
                 "use share_scale=True (the hook then passes the MAX over ranks as `scale`) or aggregator='allgather'"
             )
-        return payload.codes if world_size <= INT8_WORLD_LIMIT else payload.codes.to(torch.int32)
+        # a copy: the allreduce sums in place, and the payload's own codes are still read afterwards
+        return payload.codes.clone() if world_size <= INT8_WORLD_LIMIT else payload.codes.to(torch.int32)
 
     def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
         """``round(sum(codes) * S) / P`` in the gradient's dtype (the same rounding as :meth:`accumulate`)."""

@@ -1,6 +1,6 @@
 """Byte-level wire format shared by all payloads: tensors concatenated as raw bytes.
 
-A payload travels as one flat ``uint8`` tensor so that every layer of a bucket, whatever its
+A payload travels as one flat ``uint8`` tensor so that every unit of an aggregation, whatever its
 compressor, fits in one collective. Reading a part back copies only when the part's offset is
 not aligned for its dtype (``Tensor.view(dtype)`` needs an aligned storage offset).
 """
