@@ -173,6 +173,7 @@ class GradCompHook:
         self._names = {id(p): name for name, p in named_parameters}
         self._assembler = UnitAssembler(self.units)
         self._buffers: dict[int, Tensor] = {}
+        self._means: dict[int, Tensor] = {}
         self._dense = IdentityCompressor()
         # identity compressor, no memory: DDP's own in-place scaled allreduce of the bucket, no copies
         self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory)
@@ -276,7 +277,8 @@ class GradCompHook:
             if unit.compressed:
                 generator = self.streams.generator(x.device, self.step, unit.key)
                 payload = self.compressor.compress(x, generator, **scales.get(unit.index, {}))
-                contributions.append(Contribution(self.compressor, payload))
+                mean = self._kept(self._means, unit, x)  # the average is decoded here: no allocation per step
+                contributions.append(Contribution(self.compressor, payload, mean))
                 selected = payload.k if isinstance(payload, SparsePayload) else None
                 stats.numel_compressed += x.numel()
                 stats.payload_bytes += payload.nbytes
@@ -318,10 +320,16 @@ class GradCompHook:
         in its shape), or the unit's gradients copied into a flat buffer allocated once and kept."""
         if len(grads) == 1:
             return grads[0].view(unit.shape)
-        buffer = self._buffers.get(unit.index)
-        if buffer is None or buffer.dtype != grads[0].dtype or buffer.device != grads[0].device:
-            buffer = self._buffers[unit.index] = torch.empty(unit.numel, dtype=grads[0].dtype, device=grads[0].device)
-        return torch.cat(grads, out=buffer)
+        return torch.cat(grads, out=self._kept(self._buffers, unit, grads[0]))
+
+    @staticmethod
+    def _kept(store: dict[int, Tensor], unit: Unit, like: Tensor) -> Tensor:
+        """A flat buffer of ``unit``'s size in ``like``'s dtype and device, allocated once and reused every step
+        (a fresh large allocation faults its pages in at every step)."""
+        buffer = store.get(unit.index)
+        if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = store[unit.index] = torch.empty(unit.numel, dtype=like.dtype, device=like.device)
+        return buffer
 
     def _record_capture(
         self,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_terngrad import Z_LIMIT, assert_unbiased
+from test_terngrad import Z_LIMIT, assert_unbiased, reference_keep
 
 from lightning_gradcomp.compressors.quantizer import DEFAULT_BLOCK_SIZE, BlockQuantizer
 from lightning_gradcomp.compressors.ternary import num_blocks
@@ -111,9 +111,9 @@ def test_codes_follow_the_reference_draw_with_the_same_generator() -> None:
         payload = quantizer.compress(x, torch.Generator().manual_seed(9))
         torch.testing.assert_close(payload.scales, _norms(x, p, 64)[::64].float(), rtol=1e-6, atol=0)
         norms = payload.scales.repeat_interleave(64)[:1000]
-        uniform = torch.rand(x.numel(), generator=torch.Generator().manual_seed(9))
         flat = x.reshape(-1)
-        reference = torch.sign(flat) * (uniform < flat.abs() / norms)  # keep when U < |x| / ||x_l||_p
+        keep = reference_keep(flat.abs() * (256 / norms), torch.Generator().manual_seed(9))
+        reference = torch.sign(flat) * keep  # keep when U < |x| / ||x_l||_p
         assert torch.equal(payload.codes, reference.to(torch.int8))
         assert torch.equal(quantizer.decompress(payload), reference * norms)
 

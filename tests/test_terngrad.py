@@ -140,6 +140,35 @@ def _gradient(numel: int = 2000, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def reference_keep(levels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The two-stage draw written out: ``U_j = (B_j + V_j) / 256``, keep when ``U_j < levels_j / 256``.
+
+    ``B_j`` is byte ``j`` of uniform int64 words; ``V_j`` is drawn (in index order) only where
+    ``B_j = min(floor(levels_j), 255)``, and is 0 elsewhere, where it cannot change the comparison.
+    """
+    numel = levels.numel()
+    words = torch.empty(-(-numel // 8), dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    draws = words.view(torch.uint8)[:numel].double()
+    ties = [j for j in range(numel) if draws[j] == min(math.floor(levels[j]), 255)]
+    second = torch.zeros(numel, dtype=torch.float64)
+    second[ties] = torch.rand(len(ties), generator=generator).double()
+    return draws + second < levels.double()
+
+
+@pytest.mark.parametrize("levels", [0.5, 1.5, 254.25, 255.5, 256.0])
+def test_the_byte_draw_is_exact_where_one_byte_cannot_decide(levels: float) -> None:
+    # q = 0.5: only byte 0 can keep, and then only with the second uniform; the byte alone would keep
+    # with probability 1/256 (B < q) or 0 (B < floor(q)). Without the second stage every random
+    # case here is off by at least 1/1024, more than twice what the check tolerates.
+    numel = 1_000_000
+    codes = ternary.stochastic_ternary(torch.ones(numel), torch.full((numel,), levels), torch.Generator().manual_seed(4))
+    p = min(levels, 256.0) / 256
+    measured = float(codes.double().mean())
+    spread = math.sqrt(p * (1 - p) / numel)
+    assert abs(measured - p) <= Z_LIMIT * spread + (1e-12 if p == 1 else 0), (measured, p)
+    assert Z_LIMIT * spread < 1 / 2048
+
+
 @pytest.mark.parametrize("clip_sigma", [2.5, 0.0])
 def test_codes_follow_the_reference_draw_with_the_same_generator(clip_sigma: float) -> None:
     x = _gradient().reshape(40, 50)
@@ -147,8 +176,8 @@ def test_codes_follow_the_reference_draw_with_the_same_generator(clip_sigma: flo
     payload = compressor.compress(x, torch.Generator().manual_seed(7))
     clipped = _clipped(x, clip_sigma).reshape(-1)
     scale = clipped.abs().max()
-    uniform = torch.rand(x.numel(), generator=torch.Generator().manual_seed(7))
-    reference = torch.sign(clipped) * (uniform < clipped.abs() / scale)  # keep when U < |g| / s
+    keep = reference_keep(clipped.abs() * (256 / scale), torch.Generator().manual_seed(7))
+    reference = torch.sign(clipped) * keep  # keep when U < |g| / s
     assert torch.equal(payload.scales, scale.reshape(1))
     assert torch.equal(compressor.local_scale(x), scale)
     assert torch.equal(payload.codes, reference.to(torch.int8))

@@ -24,10 +24,23 @@ from lightning_gradcomp.compressors.sparse import dense_of
 
 @dataclass(frozen=True)
 class Contribution:
-    """One flat tensor's payload from this rank, with the compressor that reads it."""
+    """One flat tensor's payload from this rank, with the compressor that reads it.
+
+    ``out``, when given, is a flat tensor of the payload's size and dtype that the aggregator may
+    overwrite with the mean (a buffer the caller keeps across steps, or the compressed tensor
+    itself once nothing reads it any more), so that decoding allocates and faults in nothing.
+    """
 
     codec: Compressor
     payload: Payload
+    out: Tensor | None = None
+
+    def decode_target(self) -> Tensor:
+        """``out`` zeroed, or a fresh zero tensor: where the decoded payloads are summed."""
+        if self.out is not None:
+            return self.out.zero_()
+        payload = self.payload
+        return torch.zeros(payload.numel, dtype=payload.dtype, device=payload.device)
 
 
 @dataclass(frozen=True)
@@ -149,7 +162,7 @@ class AllgatherAggregator(Aggregator):
                 else:
                     payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
                 offsets[r] += size
-            total = c.codec.accumulate_all(payloads, torch.zeros(shape.numel(), dtype=dtype, device=local.device))
+            total = c.codec.accumulate_all(payloads, c.decode_target())
             results.append(Aggregate(total.div_(world), local=c))
         return results
 

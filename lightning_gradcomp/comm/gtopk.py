@@ -285,8 +285,8 @@ class GTopKAggregator(Aggregator):
                 p2p.send(_pack(held, units, flags), folded)
 
         results = []
-        for unit, entries, mine, alive in zip(units, held, local, survivors, strict=True):
-            mean = torch.zeros(unit.numel, dtype=unit.dtype, device=device)
+        for c, unit, entries, mine, alive in zip(contributions, units, held, local, survivors, strict=True):
+            mean = c.decode_target()
             mean[entries.indices] = entries.values / world
             reached = torch.isin(mine.indices, alive)
             results.append(

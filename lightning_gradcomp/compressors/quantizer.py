@@ -39,8 +39,9 @@ from lightning_gradcomp.compressors.ternary import (
     TernaryPayload,
     num_blocks,
     packed_nbytes,
+    keep_levels,
     scale_blocks_,
-    ternarize,
+    stochastic_ternary,
     working_dtype,
 )
 
@@ -123,8 +124,8 @@ class BlockQuantizer(Compressor):
         g = x.detach().reshape(-1).to(torch.float32)
         block = self._block(g.numel())
         norms = self.norms(g)
-        thresholds = torch.rand(g.numel(), generator=generator, device=g.device, dtype=torch.float32)
-        codes = ternarize(g, scale_blocks_(thresholds, norms, block))
+        levels = scale_blocks_(torch.abs(g), keep_levels(norms), block)
+        codes = stochastic_ternary(g, levels, generator)
         return TernaryPayload(codes, norms, x.shape, x.dtype, block)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:
@@ -138,7 +139,7 @@ class BlockQuantizer(Compressor):
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         """Add ``codes * norm`` into ``out`` (computed in fp32, rounded once to ``out``'s dtype)."""
         assert isinstance(payload, TernaryPayload)
-        return out.add_(payload.dense(working_dtype(out.dtype)))
+        return payload.add_to_(out)
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, TernaryPayload)

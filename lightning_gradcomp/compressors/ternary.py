@@ -114,17 +114,57 @@ def scale_blocks_(values: Tensor, scales: Tensor, block_size: int) -> Tensor:
     return values
 
 
-def ternarize(g: Tensor, thresholds: Tensor) -> Tensor:
-    """Codes ``sign(g_j) * [thresholds_j < |g_j|]`` as int8, overwriting ``thresholds`` (flat, float).
+#: Random bits drawn per element up front; the rest of a uniform is drawn only where they cannot decide.
+DRAW_BITS = 8
+#: ``q`` is the keep probability times this: the range of one random byte.
+DRAW_LEVELS = 1 << DRAW_BITS
 
-    With ``thresholds_j = U_j * s`` and ``U_j ~ U[0, 1)`` this keeps element ``j`` with probability
-    ``|g_j| / s`` (1 if ``|g_j| >= s``): the Bernoulli draw of TernGrad's ternarization and of DIANA's
-    quantizer, written ``U * s < |g|`` (the authors' form) so that no division by ``s`` occurs and
-    ``s = 0`` needs no special case. Two comparisons give the sign and the draw at once.
+
+def keep_levels(probability_scale: Tensor) -> Tensor:
+    """``DRAW_LEVELS / s`` elementwise, and 0 where ``s`` is 0 (an all-zero block keeps nothing, no NaN)."""
+    return torch.where(probability_scale > 0, DRAW_LEVELS / probability_scale, 0.0)
+
+
+def stochastic_ternary(g: Tensor, q: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Codes ``sign(g_j) * xi_j`` as int8, ``xi_j ~ Bernoulli(min(q_j, 256) / 256)``, drawn exactly from 8 random bits.
+
+    ``q`` (flat fp32, >= 0, consumed) is 256 times the keep probability: ``256 |g_j| / s`` for
+    TernGrad's scaler or DIANA's block norm ``s`` (Wen et al., 2017, Eq. 2; Mishchenko et al., 2019,
+    Sec. 2). The uniform ``U_j`` of the Bernoulli draw ``U_j < q_j / 256`` is written
+    ``U_j = (B_j + V_j) / 256`` with ``B_j`` a uniform byte and ``V_j ~ U[0, 1)`` independent of it,
+    which makes ``U_j`` exactly uniform on ``[0, 1)``. With ``n_j = floor(q_j)``:
+    ``B_j < n_j`` keeps for sure (``B + V < n <= q``), ``B_j > n_j`` drops for sure
+    (``B + V >= n + 1 > q``), and only ``B_j = n_j`` (probability 1/256) needs ``V_j``: keep iff
+    ``V_j < q_j - n_j``. So ``P(xi_j = 1) = n_j / 256 + (q_j - n_j) / 256 = q_j / 256`` exactly,
+    with 8 random bits per element plus one fp32 uniform per 256 elements, instead of a 32-bit
+    draw for every element (the uniforms alone cost 7x the rest of the encoding on a CPU).
+    The second-stage uniform resolves the probability to ``2^-32``, finer than one fp32 uniform.
     """
-    positive = g > thresholds
-    negative = g < thresholds.neg_()
-    return positive.view(torch.int8) - negative.view(torch.int8)
+    numel = g.numel()
+    words = torch.empty(-(-numel // 8), dtype=torch.int64, device=g.device)
+    draws = words.random_(-(2**63), None, generator=generator).view(torch.uint8)[:numel]  # every bit uniform
+    floors = torch.clamp(q, max=DRAW_LEVELS - 1).to(torch.uint8)  # n_j (q >= 256: n = 255 with V < q - n sure)
+    keep = draws < floors
+    ties = _sparse_nonzero(draws == floors)
+    if ties.numel():
+        second = torch.rand(ties.numel(), generator=generator, device=g.device, dtype=torch.float32)
+        keep[ties] = second < q[ties].sub_(floors[ties])
+    return keep.view(torch.int8) * torch.sign(g).to(torch.int8)
+
+
+def _sparse_nonzero(mask: Tensor) -> Tensor:
+    """Ascending indices of the True entries of the flat bool ``mask``, fast when they are few.
+
+    Looks at eight entries at a time (one int64 word) first, then inside the words that hold any.
+    """
+    numel = mask.numel()
+    body = numel - numel % 8
+    words = torch.nonzero(mask[:body].view(torch.int64)).reshape(-1)
+    inside = torch.nonzero(mask[:body].view(-1, 8).index_select(0, words))
+    indices = words[inside[:, 0]] * 8 + inside[:, 1]
+    if body < numel:
+        indices = torch.cat([indices, torch.nonzero(mask[body:]).reshape(-1) + body])
+    return indices
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,6 +214,24 @@ class TernaryPayload(Payload):
         scales = reader.take(blocks, torch.float32)
         codes = unpack_2bit(reader.take(packed_nbytes(numel), torch.uint8), numel)
         return cls(codes, scales, shape, dtype, block_size)
+
+    def add_to_(self, out: Tensor) -> Tensor:
+        """``out += codes * scale`` per element (flat ``out``), each product exact, one rounding into ``out``.
+
+        In ``out``'s own dtype when that is the working precision (fp32, fp64): one fused pass per
+        block row, no temporary; otherwise (fp16, bf16) through a working-precision temporary.
+        """
+        work = working_dtype(out.dtype)
+        if out.dtype != work:
+            return out.add_(self.dense(work))
+        scales = self.scales.to(work)
+        full = out.numel() // self.block_size
+        if full:
+            rows = out[: full * self.block_size].view(full, self.block_size)
+            rows.addcmul_(self.codes[: full * self.block_size].view(full, self.block_size), scales[:full, None])
+        if out.numel() > full * self.block_size:
+            out[full * self.block_size :].addcmul_(self.codes[full * self.block_size :], scales[full])
+        return out
 
     def dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``codes * scale`` per element, flat, in ``dtype`` (each product is exact: codes are 0 or +-1)."""

@@ -23,7 +23,13 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Payload
-from lightning_gradcomp.compressors.ternary import TernaryPayload, packed_nbytes, ternarize, working_dtype
+from lightning_gradcomp.compressors.ternary import (
+    TernaryPayload,
+    keep_levels,
+    packed_nbytes,
+    stochastic_ternary,
+    working_dtype,
+)
 
 #: Largest world size whose code sums fit in int8; above it the summable form is int32 (gloo has no int16).
 INT8_WORLD_LIMIT = 127
@@ -52,10 +58,11 @@ class TernGradCompressor(Compressor):
     3. element ``j`` is kept with probability ``|clip(g_j)| / S``: ``t_j = S * sign(g_j)`` if kept,
        else 0. So ``E[t] = clip(g)``, and ``E[t] = g`` when nothing is clipped.
 
-    The draw is written ``U_j * S < min(|g_j|, s)`` with ``U_j ~ U[0, 1)`` from the given
-    generator: the same event as ``U_j < |clip(g_j)| / S`` (keep when the uniform is *below* the
-    probability), with no division, so an all-zero gradient (``s = 0``) gives all-zero codes and no
-    NaN. Elements beyond the bound have probability 1, so the clipped tensor is never built.
+    The draw keeps element ``j`` when ``U_j < |clip(g_j)| / S`` (the uniform *below* the
+    probability), with ``U_j ~ U[0, 1)`` built exactly from one random byte and, for one element in
+    256, a second uniform (:func:`~lightning_gradcomp.compressors.ternary.stochastic_ternary`).
+    An all-zero gradient (``s = 0``) gives all-zero codes and no NaN. Elements beyond the bound have
+    probability 1, so the clipped tensor is never built.
 
     Args:
         clip_sigma: ``c``, the clipping bound in standard deviations (paper: 2.5 for every model).
@@ -119,11 +126,11 @@ class TernGradCompressor(Compressor):
             used = local
         else:
             used = torch.maximum(scale.detach().to(device=g.device, dtype=torch.float32).reshape(()), local)
-        thresholds = torch.rand(g.numel(), generator=generator, device=g.device, dtype=torch.float32).mul_(used)
+        levels = torch.abs(g)
         if scale is not None and self.clip_sigma > 0:
             # A shared scaler above this rank's own: clipped elements keep probability s / S, not |g| / S.
-            thresholds.masked_fill_(thresholds >= local, math.inf)
-        codes = ternarize(g, thresholds)
+            levels.clamp_(max=local)
+        codes = stochastic_ternary(g, levels.mul_(keep_levels(used)), generator)
         return TernaryPayload(codes, used.reshape(1), x.shape, x.dtype, max(1, g.numel()), shared=scale is not None)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:
@@ -139,8 +146,7 @@ class TernGradCompressor(Compressor):
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         """Add ``codes * s`` into ``out``, computed in fp32 (fp64 for fp64) and rounded once."""
         assert isinstance(payload, TernaryPayload)
-        work = working_dtype(out.dtype)
-        return out.add_(torch.mul(payload.codes, payload.scales[0].to(work)))
+        return payload.add_to_(out)
 
     def accumulate_all(self, payloads: Sequence[Payload], out: Tensor) -> Tensor:
         """Every rank's codes summed as integers, times the shared scaler, rounded once.
@@ -158,9 +164,8 @@ class TernGradCompressor(Compressor):
         total = first.codes.to(torch.int8 if len(payloads) <= INT8_WORLD_LIMIT else torch.int32, copy=True)
         for payload in payloads[1:]:
             total += payload.codes
-        work = working_dtype(out.dtype)
         # the integer sum times S, one rounding (a float product of an exact integer), then added
-        return out.add_(torch.mul(total, first.scales[0].to(work)))
+        return TernaryPayload(total, first.scales, first.shape, first.dtype, first.block_size).add_to_(out)
 
     @property
     def summable_across_ranks(self) -> bool:
