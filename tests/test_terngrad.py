@@ -161,7 +161,8 @@ def test_the_byte_draw_is_exact_where_one_byte_cannot_decide(levels: float) -> N
     # with probability 1/256 (B < q) or 0 (B < floor(q)). Without the second stage every random
     # case here is off by at least 1/1024, more than twice what the check tolerates.
     numel = 1_000_000
-    codes = ternary.stochastic_ternary(torch.ones(numel), torch.full((numel,), levels), torch.Generator().manual_seed(4))
+    generator = torch.Generator().manual_seed(4)
+    codes = ternary.stochastic_ternary(torch.ones(numel), torch.full((numel,), levels), generator)
     p = min(levels, 256.0) / 256
     measured = float(codes.double().mean())
     spread = math.sqrt(p * (1 - p) / numel)

@@ -37,9 +37,9 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
     TernaryPayload,
+    keep_levels,
     num_blocks,
     packed_nbytes,
-    keep_levels,
     scale_blocks_,
     stochastic_ternary,
     working_dtype,
