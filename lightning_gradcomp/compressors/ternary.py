@@ -143,7 +143,9 @@ def stochastic_ternary(g: Tensor, q: Tensor, generator: torch.Generator | None =
     numel = g.numel()
     words = torch.empty(-(-numel // 8), dtype=torch.int64, device=g.device)
     draws = words.random_(-(2**63), None, generator=generator).view(torch.uint8)[:numel]  # every bit uniform
-    floors = torch.clamp(q, max=DRAW_LEVELS - 1).to(torch.uint8)  # n_j (q >= 256: n = 255 with V < q - n sure)
+    # n_j as a byte: q >= 256 (probability 1) becomes 256 and then n = 255, whose tie V < q - n = 1 is sure.
+    # (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
+    floors = q.clamp_(max=DRAW_LEVELS).to(torch.int16).clamp_(max=DRAW_LEVELS - 1).to(torch.uint8)
     keep = draws < floors
     ties = _sparse_nonzero(draws == floors)
     if ties.numel():
