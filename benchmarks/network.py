@@ -12,7 +12,10 @@ ONE launch, so the ratios between methods are comparable:
   installs for it (``build_hook``): same compressor, memory, aggregator and defaults.
 
 Reports images/s, scaling efficiency (throughput at P / (P x single-process throughput)) and, for
-our hooks, the bytes each rank handed to collectives per step. Needs root and iproute2; it creates
+our hooks, the bytes each rank handed to collectives per step and got back, and each method's
+*limit*: plain DDP's unshaped step time in the same run (``--rate none`` must be among the rates)
+plus the bytes the method receives per step divided by the link rate, i.e. the step time of a
+method whose compression and decoding cost nothing and whose bytes fill the link. Needs root and iproute2; it creates
 and always deletes its own namespaces, and uses only addresses it assigns inside them.
 
     sudo python benchmarks/network.py --ranks 4 --rate 100mbit --json results/network.json
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 import shutil
 import signal
@@ -51,6 +55,7 @@ class Result:
     seconds_per_step: float
     bytes_sent_per_step: float | None
     dense_bytes_per_step: float | None
+    bytes_received_per_step: float | None = None
     note: str = ""
 
 
@@ -152,6 +157,7 @@ def worker(args: argparse.Namespace) -> None:
                 seconds_per_step=elapsed / args.steps,
                 bytes_sent_per_step=sum(s.bytes_sent for s in timed) / len(timed) if timed else None,
                 dense_bytes_per_step=sum(s.dense_bytes for s in timed) / len(timed) if timed else None,
+                bytes_received_per_step=sum(s.bytes_received for s in timed) / len(timed) if timed else None,
             )
         )
     if rank == 0:
@@ -242,6 +248,24 @@ class Network:
             raise SystemExit(f"a rank failed: exit codes {[p.returncode for p in procs]}")
 
 
+def link_bits_per_s(rate: str) -> float | None:
+    """A ``tc`` rate (``100mbit``, ``1gbit``, ``500kbit``: decimal units, as tc reads them) in bit/s, else ``None``."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for suffix, factor in units.items():
+        if rate.endswith(suffix) and rate[: -len(suffix)].replace(".", "", 1).isdigit():
+            return float(rate[: -len(suffix)]) * factor
+    return None
+
+
+def step_limit(dense_unshaped_s: float | None, received_bytes: float | None, rate: str) -> float | None:
+    """What a method's step could take at best on ``rate``: plain DDP's unshaped step (the computation and a
+    fast exchange) plus the bytes the method receives per step sent through the link at full rate."""
+    bits = link_bits_per_s(rate) if rate != "none" else math.inf
+    if dense_unshaped_s is None or not received_bytes or bits is None:
+        return None
+    return dense_unshaped_s + 8 * received_bytes / bits
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
@@ -277,34 +301,41 @@ def main(argv: list[str] | None = None) -> int:
     single = single_process_throughput(args)
     report: dict[str, Any] = {"ranks": args.ranks, "batch": args.batch, "width": args.width,
                               "single_process_images_per_s": single, "rates": {}}  # fmt: skip
-    for rate in args.rate or ["100mbit", "1gbit"]:
+    rates = args.rate or ["100mbit", "1gbit"]
+    for rate in rates:
         network = Network(args.ranks, rate)
         try:
             network.create()
             with tempfile.TemporaryDirectory() as tmp:
                 out = str(Path(tmp) / "results.json")
                 network.launch(args, out)
-                results = json.loads(Path(out).read_text())
+                report["rates"][rate] = json.loads(Path(out).read_text())
         finally:
             network.delete()
+    unshaped = report["rates"].get("none", [])
+    dense_unshaped = next((r["seconds_per_step"] for r in unshaped if r["method"] == "dense"), None)
+    for rate, results in report["rates"].items():
         dense = next((r["images_per_s"] for r in results if r["method"] == "dense"), None)
         table = Table(title=f"{args.ranks} ranks, links shaped to {rate}, batch {args.batch}/rank, "
                             f"single process {single:.0f} img/s")  # fmt: skip
-        for column in ("method", "img/s", "s/step", "scaling eff.", "x dense", "bytes sent/step", "ratio", "note"):
+        columns = ("method", "img/s", "s/step", "limit s/step", "x limit", "scaling eff.", "x dense",
+                   "bytes sent/step", "received/step", "ratio", "note")  # fmt: skip
+        for column in columns:
             table.add_column(column, justify="left" if column in ("method", "note") else "right")
         for r in results:
             r["scaling_efficiency"] = r["images_per_s"] / (args.ranks * single) if r["images_per_s"] else None
             r["speedup_vs_dense"] = r["images_per_s"] / dense if dense and r["images_per_s"] else None
-            sent = r["bytes_sent_per_step"]
+            sent, received = r["bytes_sent_per_step"], r.get("bytes_received_per_step")
+            limit = r["limit_seconds_per_step"] = step_limit(dense_unshaped, received, rate)
             table.add_row(
                 r["method"], f"{r['images_per_s']:.1f}", f"{r['seconds_per_step']:.3f}",
+                f"{limit:.3f}" if limit else "-", f"{r['seconds_per_step'] / limit:.2f}" if limit else "-",
                 f"{r['scaling_efficiency']:.3f}" if r["scaling_efficiency"] else "-",
                 f"{r['speedup_vs_dense']:.2f}" if r["speedup_vs_dense"] else "-",
-                f"{sent:,.0f}" if sent else "-",
+                f"{sent:,.0f}" if sent else "-", f"{received:,.0f}" if received else "-",
                 f"{r['dense_bytes_per_step'] / sent:.1f}x" if sent else "-", r["note"],
             )  # fmt: skip
         Console().print(table)
-        report["rates"][rate] = results
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
