@@ -39,7 +39,10 @@ def operations(x: torch.Tensor, generator: torch.Generator) -> dict[str, Callabl
     return {
         CLONE: x.clone,
         COPY_INTO: lambda: out.copy_(x),
-        "torch.rand alone (the uniform draws)": lambda: torch.rand(x.numel(), generator=generator),
+        "torch.rand alone (one uniform per element)": lambda: torch.rand(x.numel(), generator=generator),
+        "random bytes alone (one per element, the draws the encoder makes)": lambda: torch.empty(
+            -(-x.numel() // 8), dtype=torch.int64
+        ).random_(-(2**63), None, generator=generator),
         "terngrad ternarize": lambda: terngrad.compress(x, generator),
         "terngrad ternarize+pack": lambda: terngrad.compress(x, generator).to_bytes(),
         "terngrad shared-scale ternarize+pack": lambda: terngrad.compress(x, generator, shared).to_bytes(),
