@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_terngrad import Z_LIMIT, assert_unbiased, reference_keep
 
+from lightning_gradcomp.compressors import ternary
 from lightning_gradcomp.compressors.quantizer import DEFAULT_BLOCK_SIZE, BlockQuantizer
 from lightning_gradcomp.compressors.ternary import num_blocks
 
@@ -158,3 +159,14 @@ def test_zero_blocks_give_zero_codes_and_no_nan() -> None:
             zeros = torch.zeros(300, dtype=dtype)
             decoded = quantizer.decompress(quantizer.compress(zeros, torch.Generator().manual_seed(0)))
             assert torch.equal(decoded, zeros)
+
+
+@pytest.mark.parametrize("chunk", [128, 100, 37])
+def test_codes_do_not_depend_on_the_encoding_chunk(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the encoder works through chunks of whole blocks; the codes must be those of one pass
+    x = torch.randn(2000, generator=torch.Generator().manual_seed(6))
+    encoders = [BlockQuantizer(block_size=64), BlockQuantizer(p=2, block_size=100), BlockQuantizer(block_size=None)]
+    whole = [q.compress(x, torch.Generator().manual_seed(3)).codes for q in encoders]
+    monkeypatch.setattr(ternary, "ENCODE_CHUNK", chunk)
+    for quantizer, expected in zip(encoders, whole, strict=True):
+        assert torch.equal(quantizer.compress(x, torch.Generator().manual_seed(3)).codes, expected)

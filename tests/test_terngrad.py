@@ -162,7 +162,8 @@ def test_the_byte_draw_is_exact_where_one_byte_cannot_decide(levels: float) -> N
     # case here is off by at least 1/1024, more than twice what the check tolerates.
     numel = 1_000_000
     generator = torch.Generator().manual_seed(4)
-    codes = ternary.stochastic_ternary(torch.ones(numel), torch.full((numel,), levels), generator)
+    g = torch.full((numel,), levels / 256)  # scale 1: q = 256 |g| = levels, exactly
+    codes = ternary.stochastic_ternary(g, torch.ones(1), numel, generator)
     p = min(levels, 256.0) / 256
     measured = float(codes.double().mean())
     spread = math.sqrt(p * (1 - p) / numel)

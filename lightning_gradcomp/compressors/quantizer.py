@@ -37,10 +37,8 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
     TernaryPayload,
-    keep_levels,
     num_blocks,
     packed_nbytes,
-    scale_blocks_,
     stochastic_ternary,
     working_dtype,
 )
@@ -124,8 +122,7 @@ class BlockQuantizer(Compressor):
         g = x.detach().reshape(-1).to(torch.float32)
         block = self._block(g.numel())
         norms = self.norms(g)
-        levels = scale_blocks_(torch.abs(g), keep_levels(norms), block)
-        codes = stochastic_ternary(g, levels, generator)
+        codes = stochastic_ternary(g, norms, block, generator)
         return TernaryPayload(codes, norms, x.shape, x.dtype, block)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:

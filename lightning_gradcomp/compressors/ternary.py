@@ -120,38 +120,84 @@ DRAW_BITS = 8
 DRAW_LEVELS = 1 << DRAW_BITS
 
 
+#: Elements encoded at a time: the encoder's temporaries stay this small (about 1 MiB), so they sit in
+#: cache and no model-sized tensor is allocated (and page-faulted) per call besides the codes.
+ENCODE_CHUNK = 1 << 18
+
+
 def keep_levels(probability_scale: Tensor) -> Tensor:
     """``DRAW_LEVELS / s`` elementwise, and 0 where ``s`` is 0 (an all-zero block keeps nothing, no NaN)."""
     return torch.where(probability_scale > 0, DRAW_LEVELS / probability_scale, 0.0)
 
 
-def stochastic_ternary(g: Tensor, q: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """Codes ``sign(g_j) * xi_j`` as int8, ``xi_j ~ Bernoulli(min(q_j, 256) / 256)``, drawn exactly from 8 random bits.
+def stochastic_ternary(
+    g: Tensor,
+    scales: Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    cap: Tensor | None = None,
+) -> Tensor:
+    """Codes ``sign(g_j) * xi_j`` (int8), ``xi_j ~ Bernoulli(min(|g_j|, cap) / s_l)``, exact from 8 random bits.
 
-    ``q`` (flat fp32, >= 0, consumed) is 256 times the keep probability: ``256 |g_j| / s`` for
-    TernGrad's scaler or DIANA's block norm ``s`` (Wen et al., 2017, Eq. 2; Mishchenko et al., 2019,
-    Sec. 2). The uniform ``U_j`` of the Bernoulli draw ``U_j < q_j / 256`` is written
-    ``U_j = (B_j + V_j) / 256`` with ``B_j`` a uniform byte and ``V_j ~ U[0, 1)`` independent of it,
-    which makes ``U_j`` exactly uniform on ``[0, 1)``. With ``n_j = floor(q_j)``:
-    ``B_j < n_j`` keeps for sure (``B + V < n <= q``), ``B_j > n_j`` drops for sure
-    (``B + V >= n + 1 > q``), and only ``B_j = n_j`` (probability 1/256) needs ``V_j``: keep iff
-    ``V_j < q_j - n_j``. So ``P(xi_j = 1) = n_j / 256 + (q_j - n_j) / 256 = q_j / 256`` exactly,
-    with 8 random bits per element plus one fp32 uniform per 256 elements, instead of a 32-bit
-    draw for every element (the uniforms alone cost 7x the rest of the encoding on a CPU).
-    The second-stage uniform resolves the probability to ``2^-32``, finer than one fp32 uniform.
+    ``g`` is flat fp32, cut into blocks of ``block_size`` elements with one ``s_l`` each in
+    ``scales`` (TernGrad's scaler, one block; DIANA's block norms): Wen et al., 2017, Eq. 2;
+    Mishchenko et al., 2019, Sec. 2. With ``q_j = 256 min(|g_j|, cap) / s_l``, the uniform ``U_j`` of
+    the Bernoulli draw ``U_j < q_j / 256`` is written ``U_j = (B_j + V_j) / 256`` with ``B_j`` a
+    uniform byte and ``V_j ~ U[0, 1)`` independent of it, which makes ``U_j`` exactly uniform on
+    ``[0, 1)``. With ``n_j = floor(q_j)``: ``B_j < n_j`` keeps for sure (``B + V < n <= q``),
+    ``B_j > n_j`` drops for sure (``B + V >= n + 1 > q``), and only ``B_j = n_j`` (probability
+    1/256) needs ``V_j``: keep iff ``V_j < q_j - n_j``. So ``P(xi_j = 1) = q_j / 256`` exactly, with
+    8 random bits per element plus one fp32 uniform per 256 elements, instead of a 32-bit draw for
+    every element (the uniforms alone cost 7x the rest of the encoding on a CPU). The second-stage
+    uniform resolves the probability to ``2^-32``, finer than one fp32 uniform.
+
+    Draw order (what a reference needs to reproduce the codes): every byte first, ``ceil(d / 8)``
+    uniform int64 words read as bytes; then one ``torch.rand`` of the tied elements in index order.
+    The work runs in chunks of :data:`ENCODE_CHUNK` elements through small scratch tensors.
     """
     numel = g.numel()
     words = torch.empty(-(-numel // 8), dtype=torch.int64, device=g.device)
     draws = words.random_(-(2**63), None, generator=generator).view(torch.uint8)[:numel]  # every bit uniform
-    # n_j as a byte: q >= 256 (probability 1) becomes 256 and then n = 255, whose tie V < q - n = 1 is sure.
-    # (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
-    floors = q.clamp_(max=DRAW_LEVELS).to(torch.int16).clamp_(max=DRAW_LEVELS - 1).to(torch.uint8)
-    keep = draws < floors
-    ties = _sparse_nonzero(draws == floors)
-    if ties.numel():
+    levels = keep_levels(scales.to(torch.float32))
+    codes = torch.empty(numel, dtype=torch.int8, device=g.device)
+    # whole blocks per chunk when there are several
+    chunk = ENCODE_CHUNK if block_size >= numel else block_size * max(1, ENCODE_CHUNK // block_size)
+    size = min(chunk, numel)
+    level = torch.empty(size, dtype=torch.float32, device=g.device)
+    floors16 = torch.empty(size, dtype=torch.int16, device=g.device)
+    floors = torch.empty(size, dtype=torch.uint8, device=g.device)
+    keep = torch.empty(size, dtype=torch.bool, device=g.device)
+    tied = torch.empty(size, dtype=torch.bool, device=g.device)
+    tie_indices, tie_fractions = [], []
+    for start in range(0, numel, chunk):
+        stop = min(start + chunk, numel)
+        n = stop - start
+        q, n16, n8, kept, tie = level[:n], floors16[:n], floors[:n], keep[:n], tied[:n]
+        torch.abs(g[start:stop], out=q)
+        if cap is not None:
+            q.clamp_(max=cap)
+        if block_size >= numel:
+            q.mul_(levels[0])
+        else:
+            scale_blocks_(q, levels[start // block_size : -(-stop // block_size)], block_size)
+        # n_j as a byte: q >= 256 (probability 1) becomes 256 and then n = 255, whose tie V < q - n = 1 is
+        # sure. (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
+        n16.copy_(q.clamp_(max=DRAW_LEVELS)).clamp_(max=DRAW_LEVELS - 1)
+        n8.copy_(n16)
+        torch.lt(draws[start:stop], n8, out=kept)
+        ties = _sparse_nonzero(torch.eq(draws[start:stop], n8, out=tie))
+        if ties.numel():
+            tie_indices.append(ties + start)
+            tie_fractions.append(q[ties].sub_(n8[ties]))
+        out = codes[start:stop]
+        out.copy_(torch.sign(g[start:stop]))
+        out.mul_(kept.view(torch.int8))
+    if tie_indices:
+        ties = torch.cat(tie_indices)
         second = torch.rand(ties.numel(), generator=generator, device=g.device, dtype=torch.float32)
-        keep[ties] = second < q[ties].sub_(floors[ties])
-    return keep.view(torch.int8) * torch.sign(g).to(torch.int8)
+        won = (second < torch.cat(tie_fractions)).to(torch.int8)
+        codes[ties] = torch.sign(g[ties]).to(torch.int8) * won
+    return codes
 
 
 def _sparse_nonzero(mask: Tensor) -> Tensor:

@@ -25,7 +25,6 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
     TernaryPayload,
-    keep_levels,
     packed_nbytes,
     stochastic_ternary,
     working_dtype,
@@ -126,11 +125,9 @@ class TernGradCompressor(Compressor):
             used = local
         else:
             used = torch.maximum(scale.detach().to(device=g.device, dtype=torch.float32).reshape(()), local)
-        levels = torch.abs(g)
-        if scale is not None and self.clip_sigma > 0:
-            # A shared scaler above this rank's own: clipped elements keep probability s / S, not |g| / S.
-            levels.clamp_(max=local)
-        codes = stochastic_ternary(g, levels.mul_(keep_levels(used)), generator)
+        # A shared scaler above this rank's own: clipped elements keep probability s / S, not |g| / S.
+        cap = local if scale is not None and self.clip_sigma > 0 else None
+        codes = stochastic_ternary(g, used.reshape(1), max(1, g.numel()), generator, cap=cap)
         return TernaryPayload(codes, used.reshape(1), x.shape, x.dtype, max(1, g.numel()), shared=scale is not None)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:
