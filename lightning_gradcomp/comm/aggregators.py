@@ -26,9 +26,9 @@ from lightning_gradcomp.compressors.sparse import dense_of
 class Contribution:
     """One flat tensor's payload from this rank, with the compressor that reads it.
 
-    ``out``, when given, is a flat tensor of the payload's size and dtype that the aggregator may
-    overwrite with the mean (a buffer the caller keeps across steps, or the compressed tensor
-    itself once nothing reads it any more), so that decoding allocates and faults in nothing.
+    ``out``, when given, is a flat tensor of the payload's size and dtype that the aggregator
+    overwrites with the mean: a buffer the caller keeps across steps (never storage the payload
+    reads), so that decoding allocates and faults in nothing.
     """
 
     codec: Compressor

@@ -190,7 +190,7 @@ def stochastic_ternary(
             tie_indices.append(ties + start)
             tie_fractions.append(q[ties].sub_(n8[ties]))
         out = codes[start:stop]
-        out.copy_(torch.sign(g[start:stop]))
+        out.copy_(torch.sign(g[start:stop], out=q))  # q is free once the tie fractions are taken
         out.mul_(kept.view(torch.int8))
     if tie_indices:
         ties = torch.cat(tie_indices)
