@@ -35,6 +35,7 @@ back. (No ``from __future__ import annotations`` here: DDP checks the hook's ann
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -277,8 +278,9 @@ class GradCompHook:
             if unit.compressed:
                 generator = self.streams.generator(x.device, self.step, unit.key)
                 payload = self.compressor.compress(x, generator, **scales.get(unit.index, {}))
-                mean = self._kept(self._means, unit, x)  # the average is decoded here: no allocation per step
-                contributions.append(Contribution(self.compressor, payload, mean))
+                # the average is decoded into a buffer kept per unit: no allocation per step
+                target = partial(self._kept, self._means, unit, x)
+                contributions.append(Contribution(self.compressor, payload, target))
                 selected = payload.k if isinstance(payload, SparsePayload) else None
                 stats.numel_compressed += x.numel()
                 stats.payload_bytes += payload.nbytes

@@ -26,19 +26,20 @@ from lightning_gradcomp.compressors.sparse import dense_of
 class Contribution:
     """One flat tensor's payload from this rank, with the compressor that reads it.
 
-    ``out``, when given, is a flat tensor of the payload's size and dtype that the aggregator
+    ``out``, when given, returns a flat tensor of the payload's size and dtype that the aggregator
     overwrites with the mean: a buffer the caller keeps across steps (never storage the payload
-    reads), so that decoding allocates and faults in nothing.
+    reads), so that decoding allocates and faults in nothing. It is only called by aggregators that
+    decode into a target, so a caller whose units are all-reduced keeps no buffer for them.
     """
 
     codec: Compressor
     payload: Payload
-    out: Tensor | None = None
+    out: Callable[[], Tensor] | None = None
 
     def decode_target(self) -> Tensor:
-        """``out`` zeroed, or a fresh zero tensor: where the decoded payloads are summed."""
+        """``out()`` zeroed, or a fresh zero tensor: where the decoded payloads are summed."""
         if self.out is not None:
-            return self.out.zero_()
+            return self.out().zero_()
         payload = self.payload
         return torch.zeros(payload.numel, dtype=payload.dtype, device=payload.device)
 

@@ -148,7 +148,7 @@ def stochastic_ternary(
     ``B_j > n_j`` drops for sure (``B + V >= n + 1 > q``), and only ``B_j = n_j`` (probability
     1/256) needs ``V_j``: keep iff ``V_j < q_j - n_j``. So ``P(xi_j = 1) = q_j / 256`` exactly, with
     8 random bits per element plus one fp32 uniform per 256 elements, instead of a 32-bit draw for
-    every element (the uniforms alone cost 7x the rest of the encoding on a CPU). The second-stage
+    every element (random bytes cost a tenth of ``torch.rand`` on a CPU). The second-stage
     uniform resolves the probability to ``2^-32``, finer than one fp32 uniform.
 
     Draw order (what a reference needs to reproduce the codes): every byte first, ``ceil(d / 8)``
@@ -176,10 +176,7 @@ def stochastic_ternary(
         torch.abs(g[start:stop], out=q)
         if cap is not None:
             q.clamp_(max=cap)
-        if block_size >= numel:
-            q.mul_(levels[0])
-        else:
-            scale_blocks_(q, levels[start // block_size : -(-stop // block_size)], block_size)
+        scale_blocks_(q, levels[start // block_size : -(-stop // block_size)], block_size)
         # n_j as a byte: q >= 256 (probability 1) becomes 256 and then n = 255, whose tie V < q - n = 1 is
         # sure. (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
         n16.copy_(q.clamp_(max=DRAW_LEVELS)).clamp_(max=DRAW_LEVELS - 1)
