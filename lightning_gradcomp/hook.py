@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution
-from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload
-from lightning_gradcomp.memory import Memory, NoMemory, all_finite
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload, all_finite
+from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
 
@@ -296,21 +296,19 @@ class GradCompHook:
 
         for (unit, grads), parts, contribution, agg in zip(ready, inputs, contributions, aggregates, strict=True):
             means = agg.mean.split(unit.numels)
-            if unit.compressed:
-                reached = agg.reached.split(unit.numels) if self.memory.uses_sent else [None] * len(unit.names)
-                outputs = [self.memory.reconstruct(n, m) for n, m in zip(unit.names, means, strict=True)]
-                # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
-                # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.
-                if all_finite(agg.mean):
-                    for name, part, sent, mean in zip(unit.names, parts, reached, means, strict=True):
-                        self.memory.update(name, part, sent, mean, unit_numel=unit.numel)
-                else:
-                    stats.nonfinite_units += 1
-                if unit.index in raws:
-                    self._record_capture(stats, unit, raws[unit.index], parts, contribution, agg.sent)
-                means = outputs
-            for grad, mean in zip(grads, means, strict=True):
-                grad.copy_(mean)
+            if not unit.compressed:
+                for grad, mean in zip(grads, means, strict=True):
+                    grad.copy_(mean)
+                continue
+            if unit.index in raws:  # before the bucket, which may hold the compensated tensor, is overwritten
+                self._record_capture(stats, unit, raws[unit.index], parts, contribution, agg.sent)
+            reached = agg.reached.split(unit.numels) if self.memory.uses_sent else [None] * len(unit.names)
+            # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
+            # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.
+            finite = all_finite(agg.mean)
+            stats.nonfinite_units += not finite
+            for name, grad, part, sent, mean in zip(unit.names, grads, parts, reached, means, strict=True):
+                self.memory.finish_(name, part, sent, mean, out=grad, unit_numel=unit.numel, update=finite)
         done = time.perf_counter()
         communicate = self.counter.seconds - comm_before
         stats.seconds_compress += compressed_at - start

@@ -1,4 +1,4 @@
-"""State carried between steps, per parameter name: nothing, or an error-feedback residual.
+"""State carried between steps, per parameter name: nothing, an error-feedback residual, or DIANA's shifts.
 
 The hook calls, for each compressed parameter ``name`` and step:
 
@@ -9,10 +9,14 @@ The hook calls, for each compressed parameter ``name`` and step:
 2. ``memory.reconstruct(name, mean)``: after aggregation, the gradient the optimizer sees, from
    the averaged result ``mean`` and the state as it was before this step;
 3. ``memory.update(name, x, sent, mean, unit_numel=n)``: then the state moves on, with ``sent``
-   what of this rank's payload reached the global result (a dense tensor, or the
-   :class:`~lightning_gradcomp.compressors.SparseEntries` of a sparse payload), and ``n`` the size of
-   the unit the parameter was compressed in (constants such as DIANA's ``alpha`` follow the unit
-   as it was compressed, not the parameter).
+   what of this rank's payload reached the global result (a dense tensor, or
+   :class:`~lightning_gradcomp.compressors.Entries`: a sparse payload's entries, a ternary
+   payload's codes, added into the state without a dense copy), and ``n`` the size of the unit
+   the parameter was compressed in (constants such as DIANA's ``alpha`` follow the unit as it
+   was compressed, not the parameter).
+
+The hook runs steps 2 and 3 through :meth:`Memory.finish_`, which writes the estimate straight
+into DDP's bucket.
 
 State is keyed by parameter name: units are made of parameters, and DDP's buckets change.
 """
@@ -27,24 +31,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors import SparseEntries
-from lightning_gradcomp.compressors.sparse import dense_of
+from lightning_gradcomp.compressors import Entries, all_finite
 
-Sent = Tensor | SparseEntries
-
-
-def all_finite(x: Tensor) -> bool:
-    """Whether every entry of ``x`` is finite, from one sum (a reduction: no mask is allocated).
-
-    A NaN or an infinity anywhere makes the sum non-finite. Half-precision tensors are summed in
-    float32 so that finite values cannot overflow it; a float32 or float64 sum overflows only for
-    entries near the type's limit, and then reads as non-finite, which only makes the caller
-    skip a memory update.
-    """
-    if not x.numel():
-        return True
-    total = x.sum(dtype=torch.float32) if x.element_size() < 4 else x.sum()
-    return math.isfinite(float(total))
+Sent = Tensor | Entries
 
 
 class Memory(ABC):
@@ -75,6 +64,19 @@ class Memory(ABC):
     def reconstruct(self, name: str, mean: Tensor) -> Tensor:
         """The gradient estimate for the optimizer from the aggregated ``mean``."""
         return mean
+
+    def finish_(
+        self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, out: Tensor, unit_numel: int, update: bool
+    ) -> None:
+        """The hook's last step for ``name``: write :meth:`reconstruct` of ``mean`` into ``out`` (the
+        gradient in DDP's bucket), and :meth:`update` the state unless ``update`` is False (a
+        non-finite average). ``out`` may be the very storage of ``compensated``, so it is written last
+        here; a memory that needs no ``compensated`` may write it first, without a temporary.
+        """
+        estimate = self.reconstruct(name, mean)
+        if update:
+            self.update(name, compensated, sent, mean, unit_numel=unit_numel)
+        out.copy_(estimate)
 
     def norm(self) -> float | None:
         """L2 norm of this rank's per-rank state over all parameters (``None`` when stateless)."""
@@ -161,10 +163,10 @@ class ErrorFeedback(Memory):
         if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
             residual = self._residuals[name] = torch.empty_like(compensated)  # allocated once
         residual.copy_(compensated)
-        if isinstance(sent, SparseEntries):
-            sent.subtract_from_(residual)  # k entries: acc - acc, exactly 0
-        else:
+        if isinstance(sent, Tensor):
             residual.sub_(sent)
+        else:
+            sent.add_to_(residual, alpha=-1)  # sparse: k entries, acc - acc, exactly 0; ternary: one fused pass
 
     def local_state(self) -> list[Tensor]:
         return list(self._residuals.values())
@@ -245,19 +247,37 @@ class Diana(Memory):
         shift = self._global.get(name)
         return mean if shift is None else shift + mean
 
+    def finish_(
+        self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, out: Tensor, unit_numel: int, update: bool
+    ) -> None:
+        """``h + mean`` straight into ``out`` (``compensated`` is not read again), then the update."""
+        shift = self._global.get(name)
+        if shift is None:
+            out.copy_(mean)
+        else:
+            torch.add(shift, mean, out=out)
+        if update:
+            self.update(name, compensated, sent, mean, unit_numel=unit_numel)
+
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         alpha = self.alpha_for(compensated.numel() if unit_numel is None else unit_numel)
         self.alphas[name] = alpha
-        sent = dense_of(sent)
         # h depends on the mean alone, identical on every rank; h_i skips a non-finite local step
-        steps = [(self._global, mean)]
-        if all_finite(sent):
-            steps.append((self._local, sent))
-        for shifts, step in steps:
-            if name in shifts:
-                shifts[name].add_(step, alpha=alpha)
-            else:
-                shifts[name] = step * alpha
+        self._step(self._global, name, mean, alpha, like=mean)
+        if all_finite(sent) if isinstance(sent, Tensor) else sent.all_finite():
+            self._step(self._local, name, sent, alpha, like=compensated)
+
+    @staticmethod
+    def _step(shifts: dict[str, Tensor], name: str, step: Sent, alpha: float, like: Tensor) -> None:
+        """``shifts[name] += alpha * step`` in place, from zeros shaped as ``like`` at the first step; an
+        encoded ``step`` (this rank's own ternary codes) is added in one fused pass, never decoded whole."""
+        shift = shifts.get(name)
+        if shift is None:
+            shift = shifts[name] = torch.zeros_like(like)
+        if isinstance(step, Tensor):
+            shift.add_(step, alpha=alpha)
+        else:
+            step.add_to_(shift, alpha=alpha)
 
     def local_state(self) -> list[Tensor]:
         return list(self._local.values())

@@ -6,6 +6,7 @@ import pytest
 import torch
 from ranks import run_ranks
 
+from lightning_gradcomp.compressors import BlockQuantizer
 from lightning_gradcomp.memory import Diana, build_memory
 
 
@@ -150,3 +151,27 @@ def test_diana_converges_linearly_where_the_memoryless_quantizer_stalls() -> Non
     # the memoryless quantizer stalls: no progress over the last quarter, orders of magnitude higher
     assert min(plain[-150:]) > 0.3 * min(plain)
     assert min(plain[-150:]) > 1e4 * 1e-6
+
+
+def test_the_hooks_finish_with_encoded_codes_matches_reconstruct_then_update() -> None:
+    # Diana.finish_ writes h + mean into the bucket first and adds this rank's codes into h_i without
+    # decoding them whole; the numbers must be those of the plain reconstruct / dense update.
+    quantizer = BlockQuantizer(block_size=16)
+    gen = torch.Generator().manual_seed(0)
+    fast, plain = Diana(alpha=0.3), Diana(alpha=0.3)
+    for step in range(3):
+        g = torch.randn(40, generator=gen)
+        x = fast.compensate("w", g)
+        assert torch.equal(x, plain.compensate("w", g))
+        payload = quantizer.compress(x, torch.Generator().manual_seed(step))
+        mean = torch.randn(40, generator=gen)
+        expected = plain.reconstruct("w", mean).clone()
+        plain.update("w", x, quantizer.decompress(payload), mean)
+        bucket = x.clone()  # the hook's bucket holds the compensated tensor it overwrites
+        fast.finish_("w", bucket, payload.entries(), mean, out=bucket, unit_numel=40, update=True)
+        assert torch.equal(bucket, expected)
+        assert all(torch.equal(a, b) for a, b in zip(fast.shifts("w"), plain.shifts("w"), strict=True))
+    payload.scales[0] = float("inf")  # a non-finite local step moves h but leaves h_i alone
+    before = fast.shifts("w")[0].clone()
+    fast.finish_("w", x.clone(), payload.entries(), mean, out=torch.empty(40), unit_numel=40, update=True)
+    assert torch.equal(fast.shifts("w")[0], before)

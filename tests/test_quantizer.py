@@ -170,3 +170,49 @@ def test_codes_do_not_depend_on_the_encoding_chunk(chunk: int, monkeypatch: pyte
     monkeypatch.setattr(ternary, "ENCODE_CHUNK", chunk)
     for quantizer, expected in zip(encoders, whole, strict=True):
         assert torch.equal(quantizer.compress(x, torch.Generator().manual_seed(3)).codes, expected)
+
+
+def test_block_norms_equal_the_written_out_norms_with_a_short_last_block_and_a_nan() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    x[130] = math.nan
+    for p in (2.0, math.inf):
+        got = BlockQuantizer(p=p, block_size=64).norms(x)
+        expected = _norms(x.float(), p, 64)[::64].float()  # in float64, then rounded
+        assert got.isnan()[2] and not got[torch.arange(16) != 2].isnan().any()
+        mask = ~expected.isnan()
+        if p == math.inf:  # max |x| is exact in any precision
+            assert torch.equal(got[mask], expected[mask])
+        else:
+            torch.testing.assert_close(got[mask], expected[mask], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 15, 5])  # one pass; two blocks at a time; chunks inside a block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize(("start", "numel"), [(0, 50), (3, 40), (7, 14), (9, 2), (0, 0), (45, 5)])
+def test_a_slice_of_codes_adds_as_its_decoded_values(
+    dtype: torch.dtype, start: int, numel: int, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what DIANA's h_i takes from this rank's own payload: no dense decoded copy, same numbers
+    x = torch.randn(50, generator=torch.Generator().manual_seed(5)).to(dtype)
+    payload = BlockQuantizer(block_size=7).compress(x, torch.Generator().manual_seed(1))
+    monkeypatch.setattr(ternary, "ENCODE_CHUNK", chunk)
+    whole = payload.entries()
+    part = whole.split([start, numel, 50 - start - numel])[1]
+    decoded = BlockQuantizer(block_size=7).decompress(payload)[start : start + numel]
+    assert torch.equal(part.to_dense(), decoded) and part.all_finite()
+    for alpha in (1.0, -1.0, 0.3):
+        base = torch.randn(numel, generator=torch.Generator().manual_seed(2)).to(dtype)
+        expected = base.clone().add_(decoded, alpha=alpha)
+        torch.testing.assert_close(part.add_to_(base.clone(), alpha=alpha), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="do not add up"):
+        whole.split([10, 10])
+
+
+def test_a_slice_is_finite_exactly_when_the_scales_of_its_blocks_are() -> None:
+    x = torch.randn(30, generator=torch.Generator().manual_seed(0))
+    payload = BlockQuantizer(block_size=10).compress(x, torch.Generator().manual_seed(0))
+    payload.scales[1] = math.inf  # elements 10..19 decode to +-inf or NaN (0 * inf)
+    first, middle, last = payload.entries().split([10, 10, 10])
+    assert first.all_finite() and last.all_finite() and not middle.all_finite()
+    assert not payload.entries().split([9, 2, 19])[1].all_finite()  # touches block 1 by one element
+    assert not torch.isfinite(middle.to_dense()).all()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm.collectives import Collectives
-from lightning_gradcomp.compressors import Compressor, IdentityCompressor, Payload, SparseEntries, SparsePayload
+from lightning_gradcomp.compressors import Compressor, Entries, IdentityCompressor, Payload
 from lightning_gradcomp.compressors.sparse import dense_of
 
 
@@ -56,13 +56,13 @@ class Aggregate:
 
     mean: Tensor
     local: Contribution | None = None
-    partial: Tensor | SparseEntries | None = None
+    partial: Tensor | Entries | None = None
 
     @cached_property
-    def reached(self) -> Tensor | SparseEntries:
-        """What of this rank's payload reached ``mean``, which memory subtracts: the entries themselves
-        for a sparse payload, else the dense decompressed tensor (decoded only when asked for: a
-        memoryless method never pays for it)."""
+    def reached(self) -> Tensor | Entries:
+        """What of this rank's payload reached ``mean``, which memory takes in: the entries themselves
+        for a sparse payload, the codes for a ternary one, else the dense decompressed tensor (decoded
+        only when asked for: a memoryless method never pays for it)."""
         if self.partial is not None:
             return self.partial
         assert self.local is not None
@@ -74,11 +74,11 @@ class Aggregate:
         return dense_of(self.reached)
 
 
-def local_part(codec: Compressor, payload: Payload) -> Tensor | SparseEntries:
-    """What of this rank's own payload reaches the average when all of it does (every aggregator but gTop-k)."""
-    if isinstance(payload, SparsePayload):
-        return SparseEntries(payload.indices, payload.values, payload.numel)
-    return codec.decompress(payload)
+def local_part(codec: Compressor, payload: Payload) -> Tensor | Entries:
+    """What of this rank's own payload reaches the average when all of it does (every aggregator but gTop-k):
+    kept encoded where it can be added into the memory's state in one pass (sparse entries, ternary codes)."""
+    entries = payload.entries()
+    return codec.decompress(payload) if entries is None else entries
 
 
 class Aggregator(ABC):

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_gradcomp.compressors.atomo import AtomoCompressor, AtomoPayload
-from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.base import Compressor, Entries, Payload, all_finite
 from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.sparse import SparseEntries, SparsePayload
-from lightning_gradcomp.compressors.ternary import TernaryPayload
+from lightning_gradcomp.compressors.ternary import TernaryPayload, TernarySlice
 from lightning_gradcomp.compressors.terngrad import TernGradCompressor
 from lightning_gradcomp.compressors.topk import TopKCompressor
 
@@ -54,6 +54,7 @@ __all__ = [
     "Compressor",
     "DGCCompressor",
     "DensePayload",
+    "Entries",
     "GaussianKCompressor",
     "IdentityCompressor",
     "Payload",
@@ -61,6 +62,8 @@ __all__ = [
     "SparsePayload",
     "TernGradCompressor",
     "TernaryPayload",
+    "TernarySlice",
     "TopKCompressor",
+    "all_finite",
     "build_compressor",
 ]

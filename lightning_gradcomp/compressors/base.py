@@ -15,12 +15,50 @@ Two optional capabilities serve the allreduce aggregator:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether every entry of ``x`` is finite, from one sum (a reduction: no mask is allocated).
+
+    A NaN or an infinity anywhere makes the sum non-finite. Half-precision tensors are summed in
+    float32 so that finite values cannot overflow it; a float32 or float64 sum overflows only for
+    entries near the type's limit, and then reads as non-finite, which only makes the caller
+    skip a memory update.
+    """
+    if not x.numel():
+        return True
+    total = x.sum(dtype=torch.float32) if x.element_size() < 4 else x.sum()
+    return math.isfinite(float(total))
+
+
+class Entries(Protocol):
+    """Part of this rank's payload, decoded only where it is added: what memory takes from its own payload.
+
+    Sparse payloads give their entries (:class:`~lightning_gradcomp.compressors.SparseEntries`),
+    ternary payloads their codes with the block scales; either is added into a state tensor in one
+    pass, with no dense decoded copy.
+    """
+
+    numel: int
+
+    def to_dense(self) -> Tensor:
+        """The dense flat tensor (for inspection)."""
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        """``out += alpha * self`` in place (flat ``out`` of ``numel`` elements); returns ``out``."""
+
+    def all_finite(self) -> bool:
+        """Whether every decoded element is finite."""
+
+    def split(self, numels: Sequence[int]) -> list[Entries]:
+        """The consecutive slices of ``numels`` elements (one per parameter of a unit)."""
 
 
 class Payload(ABC):
@@ -43,6 +81,11 @@ class Payload(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Exact size of the wire form in bytes."""
+
+    def entries(self) -> Entries | None:
+        """The payload as :class:`Entries` when it can be added into a tensor without decoding it whole
+        (sparse and ternary payloads), else ``None``."""
+        return None
 
 
 class Compressor(ABC):

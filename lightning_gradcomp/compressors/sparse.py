@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Payload
+from lightning_gradcomp.compressors.base import Entries, Payload, all_finite
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 _INT32_LIMIT = 2**31 - 1
@@ -57,6 +57,9 @@ class SparsePayload(Payload):
     def nbytes(self) -> int:
         per_entry = itemsize(index_dtype(self.numel)) + self.values.element_size()
         return self.k * per_entry if self.slots is None else 4 + self.slots * per_entry
+
+    def entries(self) -> SparseEntries:
+        return SparseEntries(self.indices, self.values, self.numel)
 
     def to_bytes(self) -> Tensor:
         indices = self.indices.to(index_dtype(self.numel))
@@ -122,9 +125,14 @@ class SparseEntries:
         dense = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
         return dense.index_put_((self.indices,), self.values)
 
-    def subtract_from_(self, out: Tensor) -> Tensor:
-        """``out -= self`` in place (exact: an entry equal to the subtracted value becomes exactly 0)."""
-        return out.index_add_(0, self.indices, self.values, alpha=-1)
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        """``out += alpha * self`` in place, one scatter (``alpha=-1`` is exact: an entry equal to the
+        subtracted value becomes exactly 0)."""
+        return out.index_add_(0, self.indices, self.values, alpha=alpha)
+
+    def all_finite(self) -> bool:
+        """Whether every entry is finite (the zeros between them are)."""
+        return all_finite(self.values)
 
     def split(self, numels: Sequence[int]) -> list[SparseEntries]:
         """The entries of each consecutive slice of ``numels`` elements, with indices local to the slice."""
@@ -138,6 +146,6 @@ class SparseEntries:
         return parts
 
 
-def dense_of(entries: Tensor | SparseEntries) -> Tensor:
-    """The dense flat tensor of ``entries``, whether they are kept sparse or already dense."""
-    return entries.to_dense() if isinstance(entries, SparseEntries) else entries
+def dense_of(entries: Tensor | Entries) -> Tensor:
+    """The dense flat tensor of ``entries``, whether they are kept encoded or already dense."""
+    return entries if isinstance(entries, Tensor) else entries.to_dense()

@@ -15,12 +15,13 @@ last byte hold code 0. The byte layout does not depend on the machine's endianne
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Payload
+from lightning_gradcomp.compressors.base import Payload, all_finite
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 CODES_PER_BYTE = 4
@@ -260,27 +261,89 @@ class TernaryPayload(Payload):
         codes = unpack_2bit(reader.take(packed_nbytes(numel), torch.uint8), numel)
         return cls(codes, scales, shape, dtype, block_size)
 
-    def add_to_(self, out: Tensor) -> Tensor:
-        """``out += codes * scale`` per element (flat ``out``), each product exact, one rounding into ``out``.
+    def entries(self) -> TernarySlice:
+        return TernarySlice(self, 0, self.numel)
 
-        In ``out``'s own dtype when that is the working precision (fp32, fp64): one fused pass per
-        block row, no temporary; otherwise (fp16, bf16) through a working-precision temporary.
+    def add_to_(self, out: Tensor, alpha: float = 1.0, start: int = 0) -> Tensor:
+        """``out += alpha * codes * scale`` for elements ``[start, start + len(out))`` (flat ``out``).
+
+        Each ``codes * scale`` is exact (codes are 0 or +-1). In ``out``'s own dtype when that is
+        the working precision (fp32, fp64): the codes go through a cache-sized float scratch (an
+        int8 operand would send ``addcmul_`` down a casting path four times slower), then one fused
+        ``addcmul_`` per run of whole blocks. Otherwise (fp16, bf16) the decoded slice is rounded
+        to the gradient's dtype first, as :meth:`dense` gives it, then added.
         """
         work = working_dtype(out.dtype)
+        numel, size = out.numel(), self.block_size
         if out.dtype != work:
-            return out.add_(self.dense(work))
+            decoded = self.add_to_(torch.zeros(numel, dtype=work, device=out.device), start=start)
+            return out.add_(decoded.to(self.dtype), alpha=alpha)
         scales = self.scales.to(work)
-        full = out.numel() // self.block_size
-        if full:
-            rows = out[: full * self.block_size].view(full, self.block_size)
-            rows.addcmul_(self.codes[: full * self.block_size].view(full, self.block_size), scales[:full, None])
-        if out.numel() > full * self.block_size:
-            out[full * self.block_size :].addcmul_(self.codes[full * self.block_size :], scales[full])
+        chunk = size * max(1, ENCODE_CHUNK // size) if size <= ENCODE_CHUNK else ENCODE_CHUNK
+        scratch = torch.empty(min(chunk, numel), dtype=work, device=out.device)
+        for offset in range(0, numel, chunk):
+            n = min(chunk, numel - offset)
+            codes = scratch[:n].copy_(self.codes[start + offset : start + offset + n])
+            _add_scaled_(out[offset : offset + n], codes, scales, size, start + offset, alpha)
         return out
 
     def dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``codes * scale`` per element, flat, in ``dtype`` (each product is exact: codes are 0 or +-1)."""
         return scale_blocks_(self.codes.to(dtype), self.scales.to(dtype), self.block_size)
+
+
+def _add_scaled_(out: Tensor, codes: Tensor, scales: Tensor, size: int, start: int, alpha: float) -> None:
+    """``out += alpha * codes * scales[block]`` for the run of elements starting at index ``start``, cut into
+    blocks of ``size``: a partial first block, whole blocks as rows, a partial last block."""
+    numel = out.numel()
+    head = min(numel, -start % size)  # up to the first block boundary
+    if head:
+        out[:head].addcmul_(codes[:head], scales[start // size], value=alpha)
+    full = (numel - head) // size
+    if full:
+        first = (start + head) // size
+        rows = out[head : head + full * size].view(full, size)
+        blocks = codes[head : head + full * size].view(full, size)
+        rows.addcmul_(blocks, scales[first : first + full, None], value=alpha)
+    tail = head + full * size
+    if tail < numel:
+        out[tail:].addcmul_(codes[tail:], scales[(start + tail) // size], value=alpha)
+
+
+@dataclass(frozen=True, eq=False)
+class TernarySlice:
+    """Elements ``[start, start + numel)`` of a :class:`TernaryPayload`, decoded only where they are added.
+
+    What memory takes from this rank's own ternary payload (DIANA's ``h_i += alpha * Q(g_i - h_i)``,
+    error feedback's subtraction): one fused pass into the state, no dense decoded copy.
+    """
+
+    payload: TernaryPayload
+    start: int
+    numel: int
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        return self.payload.add_to_(out, alpha, self.start)
+
+    def to_dense(self) -> Tensor:
+        """The decoded slice in the gradient's dtype: that slice of :meth:`TernaryPayload.dense`."""
+        work = working_dtype(self.payload.dtype)
+        zeros = torch.zeros(self.numel, dtype=work, device=self.payload.device)
+        return self.payload.add_to_(zeros, start=self.start).to(self.payload.dtype)
+
+    def all_finite(self) -> bool:
+        """Whether the scales of the blocks this slice touches are finite (codes are 0 or +-1, and a
+        code 0 times an infinite scale is NaN, so that is exactly when every decoded element is)."""
+        if not self.numel:
+            return True
+        size = self.payload.block_size
+        return all_finite(self.payload.scales[self.start // size : -(-(self.start + self.numel) // size)])
+
+    def split(self, numels: Sequence[int]) -> list[TernarySlice]:
+        if sum(numels) != self.numel:
+            raise ValueError(f"slice sizes {list(numels)} do not add up to {self.numel}")
+        starts = [self.start + sum(numels[:i]) for i in range(len(numels))]
+        return [TernarySlice(self.payload, start, n) for start, n in zip(starts, numels, strict=True)]
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
