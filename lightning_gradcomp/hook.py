@@ -16,10 +16,14 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
    (seed, rank, step, unit) (:mod:`lightning_gradcomp.randomness`).
 5. All units completed by this bucket are aggregated in one go (one collective, plus a size
    exchange when sizes vary across ranks); a float sum gets a collective of its own, so its
-   summation order is fixed by its unit, not by which units happen to travel with it.
-6. The memory turns the average into the gradient estimate (``reconstruct``) and moves on with
-   what was sent (``update``); the estimate is written back into the bucket, and every bucket
-   whose units are all done has its future completed.
+   summation order is fixed by its unit, not by which units happen to travel with it. The
+   aggregation is *launched* (:meth:`~lightning_gradcomp.comm.Aggregator.start`): its last
+   collective runs on while the backward pass computes the next bucket, and it lands at the next
+   bucket's call (every launched one at the last bucket's). Every collective is issued from the
+   hook, in bucket order, so every rank issues the same ones in the same order.
+6. When it lands, the memory turns the average into the gradient estimate, written straight into
+   the bucket, and moves on with what was sent (:meth:`~lightning_gradcomp.memory.Memory.finish_`);
+   every bucket whose units are all done has its future completed.
 
 During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does, and so
 is every step of the identity compressor without memory (the dense baseline): on those steps the
@@ -41,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution
+from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution, Pending
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload, all_finite
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
@@ -119,6 +123,17 @@ class Capture:
     sent: Tensor
 
 
+@dataclass(frozen=True)
+class _Exchange:
+    """One launched aggregation: the units it holds, their tensors, and what is still in flight."""
+
+    ready: list[tuple[Unit, list[Tensor]]]
+    inputs: list[list[Tensor]]
+    contributions: list[Contribution]
+    raws: dict[int, list[Tensor]]
+    pending: Pending
+
+
 class GradCompHook:
     """State and logic of the compression hook; register it with :func:`gradcomp_comm_hook`.
 
@@ -179,6 +194,7 @@ class GradCompHook:
         # identity compressor, no memory: DDP's own in-place scaled allreduce of the bucket, no copies
         self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory)
         self._current: StepStats | None = None
+        self._in_flight: deque[_Exchange] = deque()
         self.track_layers = False
         self._capture: frozenset[str] = frozenset()
 
@@ -216,9 +232,9 @@ class GradCompHook:
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         """Average ``bucket`` across ranks (compressed after the warm-up): a future of the bucket's buffer.
 
-        A compressed bucket's future completes once every unit it holds a part of is done (at the
-        latest with the last bucket); dense steps (warm-up, identity baseline) return the allreduce's
-        future, so they overlap the rest of the backward pass as under plain DDP.
+        A compressed bucket's future completes once every unit it holds a part of has landed (at the
+        next bucket's call, at the latest with the last bucket), so its exchange overlaps the rest of
+        the backward pass; dense steps (warm-up, identity baseline) return the allreduce's future.
         """
         buffer = bucket.buffer()
         if self._current is None:
@@ -235,9 +251,11 @@ class GradCompHook:
             grads = [g.reshape(-1) for g in bucket.gradients()]
             ready = self._assembler.deliver(self._bucket_names(bucket), grads, future, buffer)
             if ready:
-                self._exchange(ready, stats)
-            for finished, result in self._assembler.done([unit for unit, _ in ready]):
-                finished.set_result(result)
+                self._in_flight.append(self._launch(ready, stats))
+            # the exchange just launched runs on while the backward pass computes the next bucket;
+            # earlier ones land now (all of them at the last bucket)
+            while len(self._in_flight) > (0 if bucket.is_last() else 1):
+                self._land(self._in_flight.popleft(), stats)
             if bucket.is_last():
                 self._assembler.end_step()
         else:
@@ -254,9 +272,10 @@ class GradCompHook:
         except KeyError:
             raise RuntimeError("a bucket holds a parameter that is not in the module given to the hook") from None
 
-    def _exchange(self, ready: list[tuple[Unit, list[Tensor]]], stats: StepStats) -> None:
-        """Compress, aggregate and write back the units that are complete, all in one aggregation."""
+    def _launch(self, ready: list[tuple[Unit, list[Tensor]]], stats: StepStats) -> "_Exchange":
+        """Compress the units that are complete and launch their aggregation, all in one (steps 2-5)."""
         start = time.perf_counter()
+        comm_before = self.counter.seconds
         raws = {
             unit.index: [g.clone() for g in grads]
             for unit, grads in ready
@@ -289,11 +308,18 @@ class GradCompHook:
                     stats.layers[unit.label] = LayerStats(x.numel(), payload.nbytes, selected)
             else:
                 contributions.append(Contribution(self._dense, self._dense.compress(x)))
-        compressed_at = time.perf_counter()
+        pending = self.aggregator.start(contributions, self.collectives)
+        waited = self.counter.seconds - comm_before  # shared scales, size exchanges
+        stats.seconds_compress += time.perf_counter() - start - waited
+        stats.seconds_communicate += waited
+        return _Exchange(ready, inputs, contributions, raws, pending)
+
+    def _land(self, exchange: "_Exchange", stats: StepStats) -> None:
+        """Wait for an exchange's collectives, then let the memory write each estimate into the bucket (step 6)."""
+        start = time.perf_counter()
         comm_before = self.counter.seconds
-
-        aggregates = self.aggregator.aggregate(contributions, self.collectives)
-
+        aggregates = exchange.pending.wait()
+        ready, inputs, contributions, raws = exchange.ready, exchange.inputs, exchange.contributions, exchange.raws
         for (unit, grads), parts, contribution, agg in zip(ready, inputs, contributions, aggregates, strict=True):
             means = agg.mean.split(unit.numels)
             if not unit.compressed:
@@ -309,11 +335,11 @@ class GradCompHook:
             stats.nonfinite_units += not finite
             for name, grad, part, sent, mean in zip(unit.names, grads, parts, reached, means, strict=True):
                 self.memory.finish_(name, part, sent, mean, out=grad, unit_numel=unit.numel, update=finite)
-        done = time.perf_counter()
-        communicate = self.counter.seconds - comm_before
-        stats.seconds_compress += compressed_at - start
-        stats.seconds_communicate += communicate
-        stats.seconds_decompress += done - compressed_at - communicate
+        for finished, result in self._assembler.done([unit for unit, _ in ready]):
+            finished.set_result(result)
+        waited = self.counter.seconds - comm_before
+        stats.seconds_communicate += waited
+        stats.seconds_decompress += time.perf_counter() - start - waited
 
     def _unit_tensor(self, unit: Unit, grads: list[Tensor]) -> Tensor:
         """The tensor a unit is compressed from: a lone parameter's gradient itself (a view of DDP's bucket,

@@ -71,12 +71,13 @@ def _train(
     make_hook: HookFactory | None,
     bucket_cap_mb: float = 0.001,
     after_step: Callable[[int, GradCompHook], None] | None = None,
+    comm_hook: Callable = gradcomp_comm_hook,
 ) -> tuple[nn.Module, GradCompHook | None]:
     model = _model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     hook = None if make_hook is None else make_hook(model)
     if hook is not None:
-        ddp.register_comm_hook(hook, gradcomp_comm_hook)
+        ddp.register_comm_hook(hook, comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = teacher_task(n=16 * world_size * STEPS)
     for step in range(STEPS):
@@ -197,6 +198,26 @@ def test_captures_layer_stats_and_memory_norm() -> None:
         assert r["norm"] == pytest.approx(float(expected))
 
 
+def _overlap(rank: int, world_size: int) -> dict:
+    calls: list[dict] = []
+    futures: list[torch.futures.Future] = []
+
+    def recording(state, bucket):  # unannotated: DDP checks a hook's annotations, which are strings here
+        future = state(bucket)
+        step = state.step - 1 if bucket.is_last() else state.step  # the last bucket ends the step
+        calls.append({"step": step, "last": bucket.is_last(), "open": not future.done()})
+        futures.append(future)
+        return future
+
+    def all_done(step: int, hook: GradCompHook) -> None:
+        calls.append({"step": step, "all done after the step": all(f.done() for f in futures)})
+        futures.clear()
+
+    make = _make_hook(TopKCompressor(0.05), ErrorFeedback(), "layer", warmup=1)
+    _train(rank, world_size, make, after_step=all_done, comm_hook=recording)
+    return {"calls": calls}
+
+
 def _every_case(rank: int, world_size: int) -> dict:
     """Every workload below in one launch per world size (starting ranks costs seconds)."""
     return {
@@ -205,8 +226,21 @@ def _every_case(rank: int, world_size: int) -> dict:
         "density one": _density_one_vs_dense(rank, world_size),
         "no memory": _no_memory_topk(rank, world_size),
         "captures": _captures(rank, world_size),
+        "overlap": _overlap(rank, world_size),
     }
 
 
 def _results(world_size: int, case: str) -> list[dict]:
     return [ranks[case] for ranks in run_ranks_once(_every_case, world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_compressed_bucket_is_still_in_flight_when_the_hook_returns(world_size: int) -> None:
+    # a compressed bucket's collective runs on while the backward pass computes the next bucket:
+    # its future stays open when the hook returns, and only the last bucket completes everything
+    for result in _results(world_size, "overlap"):
+        compressed = [c for c in result["calls"] if "open" in c and c["step"] >= 1]
+        assert len({c["step"] for c in compressed}) == STEPS - 1
+        assert all(c["open"] for c in compressed if not c["last"]) and any(not c["last"] for c in compressed)
+        assert not any(c["open"] for c in compressed if c["last"])
+        assert all(c["all done after the step"] for c in result["calls"] if "all done after the step" in c)

@@ -7,8 +7,9 @@ from lightning_gradcomp.comm.aggregators import (
     AllgatherAggregator,
     AllreduceAggregator,
     Contribution,
+    Pending,
 )
-from lightning_gradcomp.comm.collectives import Collectives
+from lightning_gradcomp.comm.collectives import Collectives, InFlight
 from lightning_gradcomp.comm.counter import CommCounter
 from lightning_gradcomp.comm.gtopk import GTopKAggregator
 
@@ -24,4 +25,6 @@ __all__ = [
     "CommCounter",
     "Contribution",
     "GTopKAggregator",
+    "InFlight",
+    "Pending",
 ]

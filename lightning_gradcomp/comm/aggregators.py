@@ -81,14 +81,42 @@ def local_part(codec: Compressor, payload: Payload) -> Tensor | Entries:
     return codec.decompress(payload) if entries is None else entries
 
 
+class Pending:
+    """An aggregation whose last collective may still be in flight: :meth:`wait` gives the aggregates.
+
+    Everything that decides *which* collectives run (size exchanges, shared scales, gTop-k's
+    rounds) has run by the time a :class:`Pending` exists, so every rank has issued the same
+    collectives in the same order; only the last one, and the decoding after it, are deferred.
+    """
+
+    def __init__(self, finish: Callable[[], list[Aggregate]]) -> None:
+        self._finish: Callable[[], list[Aggregate]] | None = finish
+        self._results: list[Aggregate] = []
+
+    @classmethod
+    def done(cls, results: list[Aggregate]) -> Pending:
+        """An aggregation that completed synchronously."""
+        return cls(lambda: results)
+
+    def wait(self) -> list[Aggregate]:
+        """Block until the collectives are done and decode: one :class:`Aggregate` per contribution, in order."""
+        if self._finish is not None:
+            self._results, self._finish = self._finish(), None
+        return self._results
+
+
 class Aggregator(ABC):
     """Averages contributions across the ranks of ``collectives``."""
 
     name: str
 
     @abstractmethod
+    def start(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
+        """Launch the aggregation of ``contributions`` (every rank calls it with the same units, in the same order)."""
+
     def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
         """One :class:`Aggregate` per contribution, in order; every rank gets the same means."""
+        return self.start(contributions, collectives).wait()
 
 
 class AllreduceAggregator(Aggregator):
@@ -107,22 +135,29 @@ class AllreduceAggregator(Aggregator):
 
     name = "allreduce"
 
-    def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+    def start(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
         world = collectives.world_size
         summands = [c.codec.summable(c.payload, world) for c in contributions]
-        totals: list[Tensor | None] = [None] * len(contributions)
         batches = [[i] for i, t in enumerate(summands) if t.is_floating_point()]
         integer_dtypes = dict.fromkeys(t.dtype for t in summands if not t.is_floating_point())
         batches += [[i for i, t in enumerate(summands) if t.dtype == dtype] for dtype in integer_dtypes]
+        launched = []
         for positions in batches:
             flat = torch.cat([summands[i] for i in positions]) if len(positions) > 1 else summands[positions[0]]
-            collectives.all_reduce_(flat)
-            for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
-                totals[i] = total
-        return [
-            Aggregate(c.codec.from_sum(total, c.payload, world), local=c)
-            for c, total in zip(contributions, totals, strict=True)
-        ]
+            launched.append((positions, collectives.all_reduce_start(flat)))
+
+        def finish() -> list[Aggregate]:
+            totals: list[Tensor | None] = [None] * len(contributions)
+            for positions, reduction in launched:
+                flat = reduction.wait()
+                for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
+                    totals[i] = total
+            return [
+                Aggregate(c.codec.from_sum(total, c.payload, world), local=c)
+                for c, total in zip(contributions, totals, strict=True)
+            ]
+
+        return Pending(finish)
 
 
 class AllgatherAggregator(Aggregator):
@@ -134,10 +169,10 @@ class AllgatherAggregator(Aggregator):
 
     name = "allgather"
 
-    def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
-        return aggregate_dense_apart(contributions, collectives, self._gather)
+    def start(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
+        return start_dense_apart(contributions, collectives, self._gather)
 
-    def _gather(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+    def _gather(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
         world, rank = collectives.world_size, collectives.rank
         buffers = [c.payload.to_bytes() for c in contributions]
         local = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
@@ -149,41 +184,52 @@ class AllgatherAggregator(Aggregator):
         else:
             local_sizes = torch.tensor([b.numel() for b in buffers], dtype=torch.int64, device=local.device)
             unit_sizes = collectives.all_gather(local_sizes).tolist()
-        rows = collectives.all_gather_bytes(local, sizes=[sum(sizes) for sizes in unit_sizes])
+        gathering = collectives.all_gather_bytes_start(local, sizes=[sum(sizes) for sizes in unit_sizes])
 
-        results = []
-        offsets = [0] * world
-        for i, c in enumerate(contributions):
-            shape, dtype = c.payload.shape, c.payload.dtype
-            payloads = []
-            for r in range(world):
-                size = unit_sizes[r][i]
-                if r == rank:
-                    payloads.append(c.payload)
-                else:
-                    payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
-                offsets[r] += size
-            total = c.codec.accumulate_all(payloads, c.decode_target())
-            results.append(Aggregate(total.div_(world), local=c))
-        return results
+        def finish() -> list[Aggregate]:
+            rows = gathering.wait()
+            results = []
+            offsets = [0] * world
+            for i, c in enumerate(contributions):
+                shape, dtype = c.payload.shape, c.payload.dtype
+                payloads = []
+                for r in range(world):
+                    size = unit_sizes[r][i]
+                    if r == rank:
+                        payloads.append(c.payload)
+                    else:
+                        payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
+                    offsets[r] += size
+                total = c.codec.accumulate_all(payloads, c.decode_target())
+                results.append(Aggregate(total.div_(world), local=c))
+            return results
+
+        return Pending(finish)
 
 
-def aggregate_dense_apart(
+def start_dense_apart(
     contributions: Sequence[Contribution],
     collectives: Collectives,
-    compressed: Callable[[Sequence[Contribution], Collectives], list[Aggregate]],
-) -> list[Aggregate]:
+    compressed: Callable[[Sequence[Contribution], Collectives], Pending],
+) -> Pending:
     """Route the identity compressor's contributions (tensors left dense) to the allreduce aggregator, the rest to
-    ``compressed``, and return the results in the contributions' order."""
-    results: list[Aggregate | None] = [None] * len(contributions)
+    ``compressed``, both launched before either is waited for; the results come in the contributions' order."""
     dense = [i for i, c in enumerate(contributions) if isinstance(c.codec, IdentityCompressor)]
     others = [i for i, c in enumerate(contributions) if not isinstance(c.codec, IdentityCompressor)]
-    for positions, aggregate in ((dense, AllreduceAggregator().aggregate), (others, compressed)):
-        if positions:
-            outcome = aggregate([contributions[i] for i in positions], collectives)
-            for i, result in zip(positions, outcome, strict=True):
+    launched = [
+        (positions, start([contributions[i] for i in positions], collectives))
+        for positions, start in ((dense, AllreduceAggregator().start), (others, compressed))
+        if positions
+    ]
+
+    def finish() -> list[Aggregate]:
+        results: list[Aggregate | None] = [None] * len(contributions)
+        for positions, pending in launched:
+            for i, result in zip(positions, pending.wait(), strict=True):
                 results[i] = result
-    return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]
+
+    return Pending(finish)
 
 
 AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (AllreduceAggregator, AllgatherAggregator)}

@@ -1,12 +1,15 @@
 """The collectives the aggregators use, each counted in a :class:`CommCounter`.
 
-Calls are synchronous: inside a DDP comm hook on gloo every collective completes before it
-returns anyway, and a synchronous chain keeps multi-collective aggregations simple to follow.
+Every collective can be launched without waiting (``*_start``, an :class:`InFlight`), which is how
+the hook lets a compressed bucket's exchange run while the backward pass goes on; the plain calls
+launch and wait at once. Bytes are counted at launch, time while this rank is blocked waiting.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,36 @@ from lightning_gradcomp.comm.counter import CommCounter
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class InFlight(Generic[T]):
+    """A launched collective: :meth:`wait` blocks until it has completed and returns its result.
+
+    The time spent blocked is added to the counter's seconds (the bytes were counted at launch).
+    ``then`` turns the raw output into the result (trimming padding, for instance).
+    """
+
+    def __init__(self, work: dist.Work, output: Tensor, counter: CommCounter, then: Callable[[Tensor], T]) -> None:
+        self._work: dist.Work | None = work
+        self._output = output
+        self._counter = counter
+        self._then = then
+
+    def wait(self) -> T:
+        if self._work is not None:
+            start = time.perf_counter()
+            self._work.wait()
+            self._counter.seconds += time.perf_counter() - start
+            self._work = None
+        return self._then(self._output)
+
+    def then(self, fn: Callable[[T], U]) -> InFlight[U]:
+        """The same collective, its result passed through ``fn`` (use it instead of this one)."""
+        first = self._then
+        return InFlight(self._work, self._output, self._counter, lambda output: fn(first(output)))
 
 
 class Collectives:
@@ -29,11 +62,14 @@ class Collectives:
 
     def all_reduce_(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """Reduce ``tensor`` in place across ranks and return it."""
-        start = time.perf_counter()
-        dist.all_reduce(tensor, op=op, group=self.group)
+        return self.all_reduce_start(tensor, op).wait()
+
+    def all_reduce_start(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> InFlight[Tensor]:
+        """Launch the in-place reduction of ``tensor``; ``wait()`` returns the reduced tensor."""
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         nbytes = tensor.numel() * tensor.element_size()
-        self.counter.record(nbytes, nbytes, time.perf_counter() - start)
-        return tensor
+        self.counter.record(nbytes, nbytes, 0.0)
+        return InFlight(work, tensor, self.counter, _same)
 
     def all_reduce_async(self, tensor: Tensor) -> torch.futures.Future[Tensor]:
         """Sum ``tensor`` in place across ranks without waiting: a future of the reduced tensor.
@@ -51,13 +87,15 @@ class Collectives:
 
         Never call it with an empty tensor (gloo hangs): :meth:`all_gather_bytes` pads for that.
         """
+        return self.all_gather_start(tensor).wait()
+
+    def all_gather_start(self, tensor: Tensor) -> InFlight[Tensor]:
+        """Launch :meth:`all_gather`; ``wait()`` returns the ``(world_size, numel)`` rows."""
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        start = time.perf_counter()
-        _all_gather_single(out, tensor.contiguous(), group=self.group)
-        self.counter.record(
-            tensor.numel() * tensor.element_size(), out.numel() * out.element_size(), time.perf_counter() - start
-        )
-        return out.view(self.world_size, tensor.numel())
+        work = _all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
+        self.counter.record(tensor.numel() * tensor.element_size(), out.numel() * out.element_size(), 0.0)
+        numel = tensor.numel()
+        return InFlight(work, out, self.counter, lambda rows: rows.view(self.world_size, numel))
 
     def all_gather_bytes(self, buffer: Tensor, sizes: list[int] | None = None) -> list[Tensor]:
         """Gather a uint8 buffer of any length (zero included) from every rank.
@@ -66,6 +104,10 @@ class Collectives:
         otherwise the lengths are gathered first. Buffers are padded to the longest (and to at
         least one byte, since gloo hangs on empty tensors) and trimmed on return.
         """
+        return self.all_gather_bytes_start(buffer, sizes).wait()
+
+    def all_gather_bytes_start(self, buffer: Tensor, sizes: list[int] | None = None) -> InFlight[list[Tensor]]:
+        """Launch :meth:`all_gather_bytes` (a size exchange, when needed, is waited for first)."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError(f"buffer must be a 1-D uint8 tensor, got {buffer.dtype} with shape {tuple(buffer.shape)}")
         if sizes is None:
@@ -78,5 +120,9 @@ class Collectives:
             padded = torch.zeros(longest, dtype=torch.uint8, device=buffer.device)
             padded[: buffer.numel()] = buffer
             buffer = padded
-        rows = self.all_gather(buffer)
-        return [rows[r, : sizes[r]] for r in range(self.world_size)]
+        known = list(sizes)
+        return self.all_gather_start(buffer).then(lambda rows: [row[: known[r]] for r, row in enumerate(rows)])
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor

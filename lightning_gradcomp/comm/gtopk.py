@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, Contribution, aggregate_dense_apart
+from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, Contribution, Pending, start_dense_apart
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.compressors import IdentityCompressor, SparseEntries, SparsePayload
 from lightning_gradcomp.compressors.sparse import index_dtype, itemsize
@@ -236,7 +236,8 @@ class GTopKAggregator(Aggregator):
 
     name = "gtopk"
 
-    def aggregate(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
+    def start(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
+        """The butterfly runs at once (each round needs the last one's sets); parameters left dense overlap it."""
         for c in contributions:
             if isinstance(c.codec, IdentityCompressor):
                 continue  # left dense: all-reduced apart
@@ -248,7 +249,7 @@ class GTopKAggregator(Aggregator):
             _density(c.codec)
             if not isinstance(c.payload, SparsePayload):
                 raise ValueError(f"gtopk needs SparsePayload contributions, got {type(c.payload).__name__}")
-        return aggregate_dense_apart(contributions, collectives, self._global_topk)
+        return start_dense_apart(contributions, collectives, lambda cs, col: Pending.done(self._global_topk(cs, col)))
 
     def _global_topk(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
         world, rank = collectives.world_size, collectives.rank
