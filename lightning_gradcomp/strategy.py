@@ -86,7 +86,7 @@ class GradCompStrategy(DDPStrategy):
     Args:
         compressor: a registry name (``"none"``, ``"topk"``) or a :class:`Compressor` instance.
         memory: ``"none"``, ``"ef"`` (error feedback) or ``"diana"`` (compressed gradient
-            differences; needs an unbiased compressor).
+            differences; needs a compressor unbiased for the gradient it is given).
         memory_kwargs: arguments of the memory, e.g. ``{"alpha": 0.5}`` for DIANA (default
             ``1 / (omega + 1)`` from the quantizer's variance bound).
         aggregator: ``"allreduce"``, ``"allgather"``, or ``"auto"`` (the compressor's choice for
@@ -165,7 +165,11 @@ class GradCompStrategy(DDPStrategy):
         memory_args = dict(memory_kwargs or {})
         if memory == Diana.name:
             if not self.compressor.unbiased:
-                raise ValueError(f"memory='diana' needs an unbiased compressor, got {self.compressor!r}")
+                hint = " (TernGrad is unbiased only without clipping: clip_sigma=0)" if compressor == "terngrad" else ""
+                raise ValueError(
+                    f"memory='diana' needs a compressor that is unbiased for the gradient it is given, "
+                    f"E[C(x)] = x (Mishchenko et al., 2019, Sec. 2), and {self.compressor!r} is not{hint}"
+                )
             if memory_args.get("alpha") is None:
                 if not callable(getattr(self.compressor, "omega", None)):
                     raise ValueError(

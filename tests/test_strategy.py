@@ -113,3 +113,22 @@ def test_a_checkpoint_of_an_unknown_state_format_is_refused_by_name() -> None:
         ShardError, match=r"run.ckpt holds compression state of format 9; this version reads formats 1 and 2"
     ):
         GradCompStrategy()._read_state("run.ckpt", {"format": 9, "world_size": 1})
+
+
+def test_diana_refuses_a_compressor_biased_for_the_gradient_it_is_given() -> None:
+    # TernGrad's 2.5-sigma clipping makes it unbiased only for the clipped gradient: an element at
+    # 12 sigma averages to 2.5 sigma, which DIANA's shifts would learn instead of the gradient
+    with pytest.raises(
+        ValueError, match=r"memory='diana' needs .*unbiased.*TernGradCompressor\(clip_sigma=2.5.*clip_sigma=0"
+    ):
+        GradCompStrategy(compressor="terngrad", memory="diana", aggregator="allgather")
+    with pytest.raises(ValueError, match=r"memory='diana' needs .*TopKCompressor"):
+        GradCompStrategy(compressor="topk", memory="diana", memory_kwargs={"alpha": 0.5})
+    accepted = GradCompStrategy(
+        compressor="terngrad",
+        compressor_kwargs={"clip_sigma": 0.0},
+        memory="diana",
+        memory_kwargs={"alpha": 0.5},
+        aggregator="allgather",
+    )
+    assert accepted.compressor.unbiased

@@ -534,3 +534,13 @@ def test_a_local_scale_handed_over_gives_the_same_codes_as_computing_it() -> Non
     handed = compressor.compress(x, torch.Generator().manual_seed(1), shared, local_scale=local)
     assert torch.equal(own.codes, handed.codes) and torch.equal(own.scales, handed.scales)
     assert int(own.codes.abs().sum()) > 0
+
+
+def test_terngrad_reports_itself_unbiased_only_without_clipping() -> None:
+    assert TernGradCompressor(clip_sigma=0).unbiased
+    assert not TernGradCompressor().unbiased and not TernGradCompressor(clip_sigma=2.5).unbiased
+    # what clipping does to an outlier: E[t] = clip(g), the bound 2.5 sigma (0.95) instead of 12
+    x = torch.zeros(1000)
+    x[0] = 12.0
+    sigma = float(torch.std(x, correction=0))
+    assert float(_clipped(x, 2.5)[0]) == pytest.approx(2.5 * sigma) and 2.5 * sigma < 1.0

@@ -93,7 +93,8 @@ class Compressor(ABC):
 
     Attributes:
         name: the registry name (``compressor="topk"``).
-        unbiased: whether ``E[decompress(compress(x))] == x``.
+        unbiased: whether ``E[decompress(compress(x))] == x`` for every ``x`` (TernGrad with clipping is
+            unbiased only for the clipped gradient, so it reports False).
         sparse: whether payloads are :class:`~lightning_gradcomp.compressors.SparsePayload`,
             which sparse aggregators (gTop-k) can merge.
         needs_layer_shape: whether the compressor works on each parameter's own shape (matrices),
