@@ -272,7 +272,7 @@ class GradCompHook:
         except KeyError:
             raise RuntimeError("a bucket holds a parameter that is not in the module given to the hook") from None
 
-    def _launch(self, ready: list[tuple[Unit, list[Tensor]]], stats: StepStats) -> "_Exchange":
+    def _launch(self, ready: list[tuple[Unit, list[Tensor]]], stats: StepStats) -> _Exchange:
         """Compress the units that are complete and launch their aggregation, all in one (steps 2-5)."""
         start = time.perf_counter()
         comm_before = self.counter.seconds
@@ -314,7 +314,7 @@ class GradCompHook:
         stats.seconds_communicate += waited
         return _Exchange(ready, inputs, contributions, raws, pending)
 
-    def _land(self, exchange: "_Exchange", stats: StepStats) -> None:
+    def _land(self, exchange: _Exchange, stats: StepStats) -> None:
         """Wait for an exchange's collectives, then let the memory write each estimate into the bucket (step 6)."""
         start = time.perf_counter()
         comm_before = self.counter.seconds

@@ -165,10 +165,10 @@ class GradCompStrategy(DDPStrategy):
         memory_args = dict(memory_kwargs or {})
         if memory == Diana.name:
             if not self.compressor.unbiased:
-                hint = " (TernGrad is unbiased only without clipping: clip_sigma=0)" if compressor == "terngrad" else ""
                 raise ValueError(
                     f"memory='diana' needs a compressor that is unbiased for the gradient it is given, "
-                    f"E[C(x)] = x (Mishchenko et al., 2019, Sec. 2), and {self.compressor!r} is not{hint}"
+                    f"E[C(x)] = x (Mishchenko et al., 2019, Sec. 2), and {self.compressor!r} is not: "
+                    f"{self.compressor.bias_reason}"
                 )
             if memory_args.get("alpha") is None:
                 if not callable(getattr(self.compressor, "omega", None)):

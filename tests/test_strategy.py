@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
 from lightning_gradcomp.checkpoint import ShardError
+from lightning_gradcomp.compressors import TernGradCompressor
 
 
 @pytest.mark.parametrize(
@@ -116,13 +117,14 @@ def test_a_checkpoint_of_an_unknown_state_format_is_refused_by_name() -> None:
 
 
 def test_diana_refuses_a_compressor_biased_for_the_gradient_it_is_given() -> None:
-    # TernGrad's 2.5-sigma clipping makes it unbiased only for the clipped gradient: an element at
-    # 12 sigma averages to 2.5 sigma, which DIANA's shifts would learn instead of the gradient
-    with pytest.raises(
-        ValueError, match=r"memory='diana' needs .*unbiased.*TernGradCompressor\(clip_sigma=2.5.*clip_sigma=0"
-    ):
+    # TernGrad's 2.5-sigma clipping makes it unbiased only for the clipped gradient: an outlier averages
+    # to the clipping bound, which DIANA's shifts would learn instead of the gradient
+    refused = r"memory='diana' needs .*unbiased.*TernGradCompressor\(clip_sigma=2.5.*clipped gradient.*clip_sigma=0"
+    with pytest.raises(ValueError, match=refused):
         GradCompStrategy(compressor="terngrad", memory="diana", aggregator="allgather")
-    with pytest.raises(ValueError, match=r"memory='diana' needs .*TopKCompressor"):
+    with pytest.raises(ValueError, match=refused):  # an instance gets the same reason as a name
+        GradCompStrategy(compressor=TernGradCompressor(), memory="diana", aggregator="allgather")
+    with pytest.raises(ValueError, match=r"memory='diana' needs .*TopKCompressor.* is not: it is biased"):
         GradCompStrategy(compressor="topk", memory="diana", memory_kwargs={"alpha": 0.5})
     accepted = GradCompStrategy(
         compressor="terngrad",

@@ -539,8 +539,11 @@ def test_a_local_scale_handed_over_gives_the_same_codes_as_computing_it() -> Non
 def test_terngrad_reports_itself_unbiased_only_without_clipping() -> None:
     assert TernGradCompressor(clip_sigma=0).unbiased
     assert not TernGradCompressor().unbiased and not TernGradCompressor(clip_sigma=2.5).unbiased
-    # what clipping does to an outlier: E[t] = clip(g), the bound 2.5 sigma (0.95) instead of 12
+    # what clipping does to an outlier: the scaler, and with it the largest value E[t] can take, is the
+    # 2.5-sigma bound (0.95 here), not the outlier's 12
     x = torch.zeros(1000)
     x[0] = 12.0
     sigma = float(torch.std(x, correction=0))
-    assert float(_clipped(x, 2.5)[0]) == pytest.approx(2.5 * sigma) and 2.5 * sigma < 1.0
+    assert float(TernGradCompressor().local_scale(x)) == pytest.approx(2.5 * sigma) and 2.5 * sigma < 1.0
+    assert float(TernGradCompressor(clip_sigma=0).local_scale(x)) == 12.0
+    assert "clip_sigma=0" in TernGradCompressor().bias_reason and TernGradCompressor(clip_sigma=0).bias_reason is None

@@ -153,6 +153,11 @@ class Compressor(ABC):
         return "allgather" if self.sparse else "allreduce"
 
     @property
+    def bias_reason(self) -> str | None:
+        """Why ``E[decompress(compress(x))] != x``, for error messages (``None`` when :attr:`unbiased`)."""
+        return None if self.unbiased else "it is biased"
+
+    @property
     def shares_scale(self) -> bool:
         """Whether :meth:`compress` wants the MAX over ranks of :meth:`local_scale` as ``scale``."""
         return False

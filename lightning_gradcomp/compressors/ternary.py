@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -276,8 +277,7 @@ class TernaryPayload(Payload):
         work = working_dtype(out.dtype)
         numel, size = out.numel(), self.block_size
         if out.dtype != work:
-            decoded = self.add_to_(torch.zeros(numel, dtype=work, device=out.device), start=start)
-            return out.add_(decoded.to(self.dtype), alpha=alpha)
+            return out.add_(self.decode_range(start, numel), alpha=alpha)
         scales = self.scales.to(work)
         chunk = size * max(1, ENCODE_CHUNK // size) if size <= ENCODE_CHUNK else ENCODE_CHUNK
         scratch = torch.empty(min(chunk, numel), dtype=work, device=out.device)
@@ -286,6 +286,11 @@ class TernaryPayload(Payload):
             codes = scratch[:n].copy_(self.codes[start + offset : start + offset + n])
             _add_scaled_(out[offset : offset + n], codes, scales, size, start + offset, alpha)
         return out
+
+    def decode_range(self, start: int, numel: int) -> Tensor:
+        """Elements ``[start, start + numel)`` decoded in the gradient's dtype: that slice of :meth:`dense`."""
+        work = working_dtype(self.dtype)
+        return self.add_to_(torch.zeros(numel, dtype=work, device=self.device), start=start).to(self.dtype)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``codes * scale`` per element, flat, in ``dtype`` (each product is exact: codes are 0 or +-1)."""
@@ -326,10 +331,7 @@ class TernarySlice:
         return self.payload.add_to_(out, alpha, self.start)
 
     def to_dense(self) -> Tensor:
-        """The decoded slice in the gradient's dtype: that slice of :meth:`TernaryPayload.dense`."""
-        work = working_dtype(self.payload.dtype)
-        zeros = torch.zeros(self.numel, dtype=work, device=self.payload.device)
-        return self.payload.add_to_(zeros, start=self.start).to(self.payload.dtype)
+        return self.payload.decode_range(self.start, self.numel)
 
     def all_finite(self) -> bool:
         """Whether the scales of the blocks this slice touches are finite (codes are 0 or +-1, and a
@@ -342,7 +344,7 @@ class TernarySlice:
     def split(self, numels: Sequence[int]) -> list[TernarySlice]:
         if sum(numels) != self.numel:
             raise ValueError(f"slice sizes {list(numels)} do not add up to {self.numel}")
-        starts = [self.start + sum(numels[:i]) for i in range(len(numels))]
+        starts = accumulate(numels[:-1], initial=self.start)
         return [TernarySlice(self.payload, start, n) for start, n in zip(starts, numels, strict=True)]
 
 

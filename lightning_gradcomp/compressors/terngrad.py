@@ -91,6 +91,12 @@ class TernGradCompressor(Compressor):
         return self.clip_sigma == 0
 
     @property
+    def bias_reason(self) -> str | None:
+        if self.unbiased:
+            return None
+        return "its clipping makes it unbiased only for the clipped gradient (use clip_sigma=0)"
+
+    @property
     def shares_scale(self) -> bool:
         return self.share_scale
 
