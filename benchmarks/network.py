@@ -3,13 +3,10 @@
 Builds a star of P network namespaces joined through a bridge, each link shaped both ways with
 ``tc tbf`` to ``--rate``, runs one process per rank inside its namespace (gloo over the shaped
 link, ``GLOO_SOCKET_IFNAME``), and trains the same model on the same batches with every method in
-ONE launch, so the ratios between methods are comparable:
-
-* ``dense``: plain DDP (no hook); ``fp16`` and ``powersgd``: PyTorch's own comm hooks (PowerSGD
-  at rank 4), each bucket completed inside the hook as ours are (see ``_completed``);
-* ours: each named strategy (``ddp_terngrad``, ``ddp_topk``, ``ddp_gaussiank``, ``ddp_gtopk``,
-  ``ddp_diana``, ``ddp_atomo``, ``ddp_gradcomp_dense``) with the hook ``GradCompStrategy``
-  installs for it (``build_hook``): same compressor, memory, aggregator and defaults.
+ONE launch, so the ratios between methods are comparable: plain DDP, PyTorch's fp16 and
+PowerSGD hooks, every named strategy with the hook ``GradCompStrategy`` installs for it, and the
+variants of ``methods.py``; ``--model`` picks one of the models of ``workloads.py`` (random inputs of
+its shape: what a step costs does not depend on the pixels).
 
 Reports images/s, scaling efficiency (throughput at P / (P x single-process throughput)) and, for
 our hooks, the bytes each rank handed to collectives per step and got back, and each method's
@@ -39,13 +36,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from methods import DEFAULT_METHODS, attach, check_methods
+from workloads import MODELS, build_model
+
 SUBNET = "10.213.0"
 PORT = 29561
-
-#: Our methods: the named strategies, with the hook each installs (``GradCompStrategy.build_hook``).
-OURS = ("ddp_gradcomp_dense", "ddp_terngrad", "ddp_topk", "ddp_gaussiank", "ddp_gtopk", "ddp_diana", "ddp_atomo")
-TORCH_METHODS = ("dense", "fp16", "powersgd")
-DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
 
 
 @dataclass
@@ -59,61 +54,12 @@ class Result:
     note: str = ""
 
 
-def build_model(width: int):
-    """An MLP on 3x32x32 inputs: ``3072*width + width*width + width*10`` weights (1.84M at width 512)."""
-    from torch import nn
-
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(3072, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
-    )
-
-
-def _batches(rank: int, batch: int, count: int):
+def _batches(rank: int, batch: int, count: int, shape: tuple[int, ...]):
     import torch
 
     gen = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+    return [(torch.randn(batch, *shape, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
             for _ in range(count)]  # fmt: skip
-
-
-def _completed(hook):
-    """``hook`` with each bucket's future waited for before the next bucket starts.
-
-    PyTorch's fp16 and PowerSGD hooks chain further collectives from gloo's callback threads;
-    with several buckets on 4 ranks those are issued in different orders on different ranks and
-    gloo aborts ("Received data size doesn't match expected size"). Completing each bucket in
-    the hook, as the gradcomp hook does, keeps the order identical on every rank.
-    """
-
-    def completed_hook(state, bucket):
-        future = hook(state, bucket)
-        future.wait()
-        return future
-
-    completed_hook.__qualname__ = f"completed_{hook.__name__}"
-    return completed_hook
-
-
-def _attach(method: str, ddp, model):
-    """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None."""
-    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
-    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
-
-    from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
-    from lightning_gradcomp.hook import gradcomp_comm_hook
-
-    if method == "dense":
-        return None
-    if method == "fp16":
-        ddp.register_comm_hook(None, _completed(default_hooks.fp16_compress_hook))
-        return None
-    if method == "powersgd":
-        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, _completed(powersgd.powerSGD_hook))
-        return None
-    hook = GradCompStrategy(**NAMED_STRATEGIES[method][1]).build_hook(model)
-    ddp.register_comm_hook(hook, gradcomp_comm_hook)
-    return hook
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -126,14 +72,14 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    batches = _batches(rank, args.batch, args.steps + args.warmup)
+    batches = _batches(rank, args.batch, args.steps + args.warmup, MODELS[args.model][1])
     results = []
     for method in args.methods.split(","):
         torch.manual_seed(0)
-        model = build_model(args.width)
+        model = build_model(args.model, args.width)
         ddp = DistributedDataParallel(model)
         try:
-            hook = _attach(method, ddp, model)
+            hook = attach(method, ddp, model)
         except (ValueError, KeyError) as err:
             results.append(Result(method, 0.0, 0.0, None, None, note=f"skipped: {err}"))
             continue
@@ -172,9 +118,9 @@ def single_process_throughput(args: argparse.Namespace) -> float:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_model(args.width)
+    model = build_model(args.model, args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    batches = _batches(0, args.batch, args.steps + args.warmup)
+    batches = _batches(0, args.batch, args.steps + args.warmup, MODELS[args.model][1])
     for step, (x, y) in enumerate(batches):
         if step == args.warmup:
             start = time.perf_counter()
@@ -231,7 +177,7 @@ class Network:
                        WORLD_SIZE=str(len(self.rank_ns)), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
             cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--out", out,
                    "--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--batch", str(args.batch), "--width", str(args.width)]  # fmt: skip
+                   "--batch", str(args.batch), "--width", str(args.width), "--model", args.model]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
         deadline = time.monotonic() + args.timeout
         try:
@@ -278,12 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method (buckets, PowerSGD start)")
     parser.add_argument("--batch", type=int, default=32, help="images per rank per step")
-    parser.add_argument("--width", type=int, default=512, help="MLP width (512: 1.84M parameters)")
+    parser.add_argument("--model", default="mlp", choices=list(MODELS), help="what to train (see workloads.py)")
+    parser.add_argument("--width", type=int, default=512, help="width of --model mlp (512: 1.84M parameters)")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_methods(args.methods.split(","))
     if args.worker:
         worker(args)
         return 0
@@ -299,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     # a SIGTERM (e.g. from `timeout`) must still run the namespace clean-up in `finally` and atexit
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     single = single_process_throughput(args)
-    report: dict[str, Any] = {"ranks": args.ranks, "batch": args.batch, "width": args.width,
+    report: dict[str, Any] = {"ranks": args.ranks, "batch": args.batch, "model": args.model, "width": args.width,
                               "single_process_images_per_s": single, "rates": {}}  # fmt: skip
     rates = args.rate or ["100mbit", "1gbit"]
     for rate in rates:
@@ -316,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     dense_unshaped = next((r["seconds_per_step"] for r in unshaped if r["method"] == "dense"), None)
     for rate, results in report["rates"].items():
         dense = next((r["images_per_s"] for r in results if r["method"] == "dense"), None)
-        table = Table(title=f"{args.ranks} ranks, links shaped to {rate}, batch {args.batch}/rank, "
+        table = Table(title=f"{args.model}, {args.ranks} ranks, links shaped to {rate}, batch {args.batch}/rank, "
                             f"single process {single:.0f} img/s")  # fmt: skip
         columns = ("method", "img/s", "s/step", "limit s/step", "x limit", "scaling eff.", "x dense",
                    "bytes sent/step", "received/step", "ratio", "note")  # fmt: skip

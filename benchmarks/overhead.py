@@ -35,7 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from network import OURS, build_model
+from methods import OURS
+from workloads import build_model
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
 from lightning_gradcomp.examples.models import ResNet20
@@ -43,7 +44,7 @@ from lightning_gradcomp.hook import gradcomp_comm_hook
 
 #: model name -> (builder, input shape, classes, batch size)
 MODELS = {
-    "mlp": (lambda: build_model(512), (3, 32, 32), 10, 32),
+    "mlp": (lambda: build_model("mlp", 512), (3, 32, 32), 10, 32),
     "resnet20": (ResNet20, (3, 32, 32), 10, 32),
     "mlp25m": (
         lambda: nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 2048), nn.ReLU(), nn.Linear(2048, 10)),

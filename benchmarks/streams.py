@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from network import build_model
+from workloads import build_model
 
 from lightning_gradcomp.examples.models import ResNet20
 from lightning_gradcomp.randomness import UnitStreams
@@ -54,7 +54,7 @@ def main() -> None:
     counter = iter(range(10**9))
     per_unit = _best_of(lambda: streams.generator(device, next(counter), 12345), repeats=5, inner=2000, device=device)
     rows = []
-    for label, model in (("MLP 3072-512-512-10", build_model(512)), ("ResNet-20", ResNet20())):
+    for label, model in (("MLP 3072-512-512-10", build_model("mlp", 512)), ("ResNet-20", ResNet20())):
         units = [u for u in plan_units(list(model.named_parameters()), "layer", 1024) if u.compressed]
         numel = sum(u.numel for u in units)
         buffer = torch.empty(numel, device=device)

@@ -27,7 +27,8 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
 
 During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does, and so
 is every step of the identity compressor without memory (the dense baseline): on those steps the
-hook *is* DDP, bucket layout included.
+hook *is* DDP, bucket layout included. A density warm-up (:mod:`lightning_gradcomp.schedule`) sets
+a sparsifier's density at the start of each compressed step, from the step counter alone.
 
 Non-finite gradients: the average is returned as is (NaN/Inf reach the optimizer exactly as under
 plain DDP, so AMP's GradScaler skips the step), and the memory update of every unit whose average
@@ -49,6 +50,7 @@ from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCo
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload, all_finite
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
+from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
 
 __all__ = ["GRANULARITIES", "Capture", "GradCompHook", "LayerStats", "StepStats", "gradcomp_comm_hook"]
@@ -148,6 +150,8 @@ class GradCompHook:
         warmup_steps: steps averaged densely, as DDP would, before compression starts.
         min_compress_numel: parameters with fewer elements are averaged densely.
         dense_names: names of further parameters averaged densely (e.g. the logits layer).
+        density_warmup: sets the compressor's density at each compressed step (see
+            :mod:`lightning_gradcomp.schedule`); ``None`` leaves it alone.
         seed: base seed of the units' random streams (see :mod:`lightning_gradcomp.randomness`).
         group: the process group (default: the world).
         history: how many :class:`StepStats` to keep.
@@ -164,6 +168,7 @@ class GradCompHook:
         warmup_steps: int = 1,
         min_compress_numel: int = 1024,
         dense_names: frozenset[str] = frozenset(),
+        density_warmup: "DensityWarmup | None" = None,
         seed: int = 0,
         group: dist.ProcessGroup | None = None,
         history: int = 10_000,
@@ -178,6 +183,7 @@ class GradCompHook:
         self.aggregator = aggregator
         self.units = plan_units(named_parameters, granularity, min_compress_numel, dense_names, unit_cap_mb)
         self.warmup_steps = warmup_steps
+        self.density_warmup = density_warmup
         self.counter = CommCounter()
         self.collectives = Collectives(group, self.counter)
         self.world_size = self.collectives.world_size
@@ -240,6 +246,8 @@ class GradCompHook:
         if self._current is None:
             self.counter.reset()
             self._current = StepStats(step=self.step, compressed=self.compressing)
+            if self.density_warmup is not None and self._current.compressed:
+                self.compressor.density = self.density_warmup.density(self.step - self.warmup_steps)
         stats = self._current
         stats.buckets += 1
         stats.numel += buffer.numel()

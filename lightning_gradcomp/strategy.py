@@ -34,9 +34,18 @@ from lightning_gradcomp.compressors import Compressor, build_compressor
 from lightning_gradcomp.compressors.topk import validate_density
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
+from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
 
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+#: Compressed steps of the Top-k family's density warm-up in the presets (see :mod:`lightning_gradcomp.schedule`).
+PRESET_DENSITY_WARMUP_STEPS = 200
+
+#: What every compressed preset shares: the logits layer stays dense (TernGrad's authors' practice;
+#: it is small and its gradient is the one every class's error flows through).
+_LAST_LAYER_DENSE = {"keep_last_layer_dense": True}
+_SPARSIFIER = {"memory": "ef", "granularity": "model", "density_warmup_steps": PRESET_DENSITY_WARMUP_STEPS}
 
 #: Named strategies registered with Lightning when ``lightning_gradcomp`` is imported.
 NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -45,28 +54,31 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"compressor": "none", "memory": "none", "aggregator": "allreduce"},
     ),
     "ddp_atomo": (
-        "Spectral ATOMO: unbiased sampling of rank-1 SVD atoms (budget 3), allgather of variable-size payloads",
-        {"compressor": "atomo", "memory": "none", "aggregator": "allgather"},
+        "Spectral ATOMO: unbiased sampling of rank-1 SVD atoms (budget 3), allgather of variable-size payloads, "
+        "last layer dense",
+        {"compressor": "atomo", "memory": "none", "aggregator": "allgather", **_LAST_LAYER_DENSE},
     ),
     "ddp_diana": (
-        "DIANA: compressed gradient differences with per-rank shifts, block inf-norm 2-bit quantizer",
-        {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather"},
+        "DIANA: compressed gradient differences with per-rank shifts, block inf-norm 2-bit quantizer, last layer dense",
+        {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather", **_LAST_LAYER_DENSE},
     ),
     "ddp_gaussiank": (
-        "Gaussian_k: O(d) threshold selection with error feedback, k/2 to k entries in k fixed slots, allgather",
-        {"compressor": "gaussiank", "memory": "ef", "aggregator": "allgather", "granularity": "model"},
+        "Gaussian_k: O(d) threshold selection with error feedback, k/2 to k entries in k fixed slots, allgather; "
+        "density warm-up, last layer dense",
+        {"compressor": "gaussiank", "aggregator": "allgather", **_SPARSIFIER, **_LAST_LAYER_DENSE},
     ),
     "ddp_gtopk": (
-        "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P)",
-        {"compressor": "topk", "memory": "ef", "aggregator": "gtopk", "granularity": "model"},
+        "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P); density warm-up, "
+        "last layer dense",
+        {"compressor": "topk", "aggregator": "gtopk", **_SPARSIFIER, **_LAST_LAYER_DENSE},
     ),
     "ddp_terngrad": (
         "TernGrad: 2-bit stochastic ternary gradients, shared per-layer scalers, 2.5-sigma clipping, last layer dense",
-        {"compressor": "terngrad", "memory": "none", "aggregator": "auto", "keep_last_layer_dense": True},
+        {"compressor": "terngrad", "memory": "none", "aggregator": "auto", **_LAST_LAYER_DENSE},
     ),
     "ddp_topk": (
-        "Top-k sparsification with error feedback, allgather of sparse payloads",
-        {"compressor": "topk", "memory": "ef", "aggregator": "allgather", "granularity": "model"},
+        "Top-k sparsification with error feedback, allgather of sparse payloads; density warm-up, last layer dense",
+        {"compressor": "topk", "aggregator": "allgather", **_SPARSIFIER, **_LAST_LAYER_DENSE},
     ),
 }
 
@@ -100,6 +112,10 @@ class GradCompStrategy(DDPStrategy):
         density: fraction of entries kept by sparsifying compressors, in (0, 1]; only with a name.
         density_schedule: densities by epoch, the last one kept for later epochs (the authors'
             warm-up: ``[0.004, 0.001]`` for Top-k, ``[1/64, 0.004, 0.001]`` for Gaussian_k).
+        density_warmup_steps: compressed steps over which the density falls geometrically from
+            ``density_warmup_start`` to ``density`` (DGC's exponential warm-up counted in steps,
+            see :mod:`lightning_gradcomp.schedule`); 0 for none. Excludes ``density_schedule``.
+        density_warmup_start: the density at the first compressed step of the warm-up.
         warmup_steps: optimizer steps averaged densely before compression starts (DDP rebuilds its
             buckets after the first one; state is keyed by parameter name, so 0 is allowed).
         min_compress_numel: parameters with fewer elements (biases, norms) are averaged densely.
@@ -134,6 +150,8 @@ class GradCompStrategy(DDPStrategy):
         unit_cap_mb: float = DEFAULT_UNIT_CAP_MB,
         density: float | None = None,
         density_schedule: Sequence[float] | None = None,
+        density_warmup_steps: int = 0,
+        density_warmup_start: float = 0.25,
         warmup_steps: int = 1,
         min_compress_numel: int = 1024,
         seed: int = 0,
@@ -210,6 +228,7 @@ class GradCompStrategy(DDPStrategy):
         self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 0)
         self.seed = _check_int("seed", seed, 0)
         self.density_schedule = self._check_schedule(density_schedule)
+        self.density_warmup = self._check_density_warmup(density_warmup_steps, density_warmup_start)
         if isinstance(dense_parameters, str) or not all(isinstance(p, str) for p in dense_parameters):
             raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
         if not isinstance(keep_last_layer_dense, bool):
@@ -249,6 +268,21 @@ class GradCompStrategy(DDPStrategy):
             return tuple(validate_density(d) for d in schedule)
         except ValueError as err:
             raise ValueError(f"density_schedule: {err}") from None
+
+    def _check_density_warmup(self, steps: int, start: float) -> DensityWarmup | None:
+        _check_int("density_warmup_steps", steps, 0)
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not 0.0 < start <= 1.0:
+            raise ValueError(f"density_warmup_start must be a density in (0, 1], got {start!r}")
+        if steps == 0:
+            return None
+        if not hasattr(self.compressor, "density"):
+            raise ValueError(f"density_warmup_steps needs a compressor with a density; {self.compressor!r} has none")
+        if self.density_schedule is not None:
+            raise ValueError(
+                f"density_warmup_steps={steps} and density_schedule={list(self.density_schedule)} both set the "
+                "density; give one (the warm-up counts steps, the schedule epochs)"
+            )
+        return DensityWarmup(self.compressor.density, steps, start)
 
     def density_for_epoch(self, epoch: int) -> float | None:
         """The scheduled density for ``epoch`` (``None`` without a schedule)."""
@@ -301,6 +335,7 @@ class GradCompStrategy(DDPStrategy):
             warmup_steps=self.warmup_steps,
             min_compress_numel=self.min_compress_numel,
             dense_names=self.dense_parameter_names(named),
+            density_warmup=self.density_warmup,
             seed=self.seed,
             group=group,
         )
@@ -326,6 +361,7 @@ class GradCompStrategy(DDPStrategy):
             "warmup_steps": str(self.warmup_steps),
             "min_compress_numel": str(self.min_compress_numel),
             "density_schedule": str(self.density_schedule),
+            "density_warmup": repr(self.density_warmup),
             "dense parameters": str(sorted(self.dense_parameter_names(named_parameters))),
             "seed": str(self.seed),
             "parameters": str([(name, tuple(p.shape)) for name, p in named_parameters]),

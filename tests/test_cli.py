@@ -153,7 +153,8 @@ def test_compare_on_the_quickstart_writes_table_csv_json_and_plot(tmp_path: Path
     parameters = (64 * 512 + 512 + 512 * 10 + 10) * 4  # the quickstart MLP's gradients in bytes
     assert rows["ddp"]["bytes_source"] == "parameters" and float(rows["ddp"]["bytes_sent_per_step"]) == parameters
     assert rows["ddp_topk"]["bytes_source"] == "hook" and float(rows["ddp_topk"]["dense_bytes_per_step"]) == parameters
-    assert float(rows["ddp_topk"]["compression_ratio"]) > 10 and rows["ddp_topk"]["compressed_steps"] == "39"
+    # 39 compressed steps, all inside the preset's 200-step density warm-up, and the logits layer dense
+    assert float(rows["ddp_topk"]["compression_ratio"]) > 2 and rows["ddp_topk"]["compressed_steps"] == "39"
     for row in rows.values():
         assert 0.0 < float(row["val_acc"]) <= 1.0 and float(row["wall_seconds"]) >= float(row["fit_seconds"]) > 0
 

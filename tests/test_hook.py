@@ -15,6 +15,7 @@ from lightning_gradcomp.compressors import SparseEntries, TopKCompressor
 from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, NoMemory
+from lightning_gradcomp.schedule import DensityWarmup
 
 STEPS = 5
 
@@ -218,6 +219,18 @@ def _overlap(rank: int, world_size: int) -> dict:
     return {"calls": calls}
 
 
+def _density_warmup(rank: int, world_size: int) -> dict:
+    compressor, warmup = CountingTopK(0.01), DensityWarmup(0.01, steps=3, start=0.5)
+
+    def make(model: nn.Module) -> GradCompHook:
+        named = list(model.named_parameters())
+        return GradCompHook(compressor, ErrorFeedback(), "allgather", named, granularity="model",
+                            warmup_steps=1, min_compress_numel=100, density_warmup=warmup)  # fmt: skip
+
+    _, hook = _train(rank, world_size, make)
+    return {"counts": compressor.counts, "history": list(hook.history)}
+
+
 def _every_case(rank: int, world_size: int) -> dict:
     """Every workload below in one launch per world size (starting ranks costs seconds)."""
     return {
@@ -227,6 +240,7 @@ def _every_case(rank: int, world_size: int) -> dict:
         "no memory": _no_memory_topk(rank, world_size),
         "captures": _captures(rank, world_size),
         "overlap": _overlap(rank, world_size),
+        "density warmup": _density_warmup(rank, world_size),
     }
 
 
@@ -244,3 +258,13 @@ def test_a_compressed_bucket_is_still_in_flight_when_the_hook_returns(world_size
         assert all(c["open"] for c in compressed if not c["last"]) and any(not c["last"] for c in compressed)
         assert not any(c["open"] for c in compressed if c["last"])
         assert all(c["all done after the step"] for c in result["calls"] if "all done after the step" in c)
+
+
+def test_density_warmup_sets_k_of_each_compressed_step_from_the_step_counter() -> None:
+    # one dense step, then densities 0.5, 0.5 * 0.02 ** (1/3), 0.5 * 0.02 ** (2/3), then the target 0.01
+    densities = [0.5, 0.5 * 0.02 ** (1 / 3), 0.5 * 0.02 ** (2 / 3), 0.01]
+    for result in _results(2, "density warmup"):
+        numel = result["counts"][0][0]  # one unit: the whole model but the 4 biases
+        assert numel == 32 * 64 + 64 * 4
+        assert result["counts"] == [(numel, k_for(numel, d)) for d in densities]
+        assert [s.selected for s in result["history"] if s.compressed] == [k_for(numel, d) for d in densities]

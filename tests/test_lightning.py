@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 
 import pytest
@@ -96,7 +97,9 @@ def test_named_topk_strategy_runs_its_hook_on_cpu() -> None:
         assert warm[0] is False and warm[2] == warm[1]  # dense warm-up step: exactly DDP's bytes
         for is_compressed, dense_bytes, sent, numel_compressed in compressed:
             assert is_compressed and numel_compressed > 0
-            assert sent < dense_bytes / 4, (sent, dense_bytes)
+            assert sent < dense_bytes, (sent, dense_bytes)
+        sent = [s for _, _, s, _ in compressed]  # the preset's density warm-up: fewer entries every step
+        assert all(a > b for a, b in itertools.pairwise(sent)), sent
         assert r["residual_norm"] > 0
     assert all(torch.equal(results[0]["weights"][k], results[1]["weights"][k]) for k in results[0]["weights"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import pytest
@@ -11,6 +12,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
 from lightning_gradcomp.checkpoint import ShardError
 from lightning_gradcomp.compressors import TernGradCompressor
+from lightning_gradcomp.schedule import DensityWarmup
+from lightning_gradcomp.strategy import PRESET_DENSITY_WARMUP_STEPS
 
 
 @pytest.mark.parametrize(
@@ -134,3 +137,44 @@ def test_diana_refuses_a_compressor_biased_for_the_gradient_it_is_given() -> Non
         aggregator="allgather",
     )
     assert accepted.compressor.unbiased
+
+
+def test_density_warmup_falls_geometrically_to_the_density_and_is_validated() -> None:
+    warmup = DensityWarmup(0.001, steps=4, start=0.25)
+    assert [warmup.density(t) for t in (0, 4, 5, 100)] == [0.25, 0.001, 0.001, 0.001]
+    assert warmup.density(2) == pytest.approx(math.sqrt(0.25 * 0.001), rel=1e-12)  # geometric midpoint
+    assert all(warmup.density(t) > warmup.density(t + 1) for t in range(3))
+    assert DensityWarmup(0.5, steps=10, start=0.25).density(0) == 0.5  # target above start: no warm-up
+    with pytest.raises(ValueError, match="density warm-up steps must be an integer >= 0, got -1"):
+        DensityWarmup(0.01, steps=-1)
+    with pytest.raises(ValueError, match=r"density warm-up start must be a density in \(0, 1\], got 0"):
+        DensityWarmup(0.01, steps=1, start=0)
+
+
+def test_density_warmup_argument_of_the_strategy() -> None:
+    strategy = GradCompStrategy(compressor="topk", density=0.01, density_warmup_steps=50, density_warmup_start=0.1)
+    assert (strategy.density_warmup.target, strategy.density_warmup.steps, strategy.density_warmup.start) == (
+        0.01,
+        50,
+        0.1,
+    )
+    assert GradCompStrategy(compressor="topk").density_warmup is None
+    with pytest.raises(ValueError, match=r"density_warmup_steps must be an integer >= 0, got 1\.5"):
+        GradCompStrategy(density_warmup_steps=1.5)
+    with pytest.raises(ValueError, match=r"density_warmup_start must be a density in \(0, 1\], got 2"):
+        GradCompStrategy(density_warmup_steps=5, density_warmup_start=2)
+    with pytest.raises(ValueError, match="density_warmup_steps needs a compressor with a density"):
+        GradCompStrategy(compressor="terngrad", memory="none", density_warmup_steps=5)
+    with pytest.raises(ValueError, match="both set the density; give one"):
+        GradCompStrategy(density_schedule=[0.004, 0.001], density_warmup_steps=5)
+
+
+def test_presets_warm_up_the_top_k_family_and_keep_the_logits_layer_dense() -> None:
+    for name, (_, params) in NAMED_STRATEGIES.items():
+        strategy = StrategyRegistry.get(name)
+        assert strategy.keep_last_layer_dense == (name != "ddp_gradcomp_dense"), name
+        sparsifier = params["compressor"] in ("topk", "gaussiank")
+        assert (strategy.density_warmup is not None) == sparsifier, name
+        if sparsifier:
+            assert strategy.density_warmup.target == strategy.compressor.density
+            assert strategy.density_warmup.steps == PRESET_DENSITY_WARMUP_STEPS

@@ -1,0 +1,96 @@
+"""The methods the benchmarks compare, and how each is attached to a ``DistributedDataParallel``.
+
+* ``dense``: plain DDP (no hook); ``fp16`` and ``powersgd``: PyTorch's own comm hooks (PowerSGD at
+  rank 4), each bucket completed inside the hook as ours are (see :func:`completed`);
+* every named strategy (``ddp_topk``, ...), with the hook ``GradCompStrategy`` installs for it
+  (``build_hook``): the same compressor, memory, aggregator and defaults;
+* variants, ``preset:what``, a named strategy with some of its arguments changed (:data:`VARIANTS`),
+  for the ablations in the convergence and time-to-accuracy tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The named strategies, as registered.
+OURS = ("ddp_gradcomp_dense", "ddp_terngrad", "ddp_topk", "ddp_gaussiank", "ddp_gtopk", "ddp_diana", "ddp_atomo")
+TORCH_METHODS = ("dense", "fp16", "powersgd")
+#: ``name -> (named strategy, arguments that replace the preset's)``.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # the Top-k presets before issue 14: density 0.001 from the first compressed step, logits compressed
+    "ddp_topk:no-warmup": ("ddp_topk", {"density_warmup_steps": 0, "keep_last_layer_dense": False}),
+    "ddp_gtopk:no-warmup": ("ddp_gtopk", {"density_warmup_steps": 0, "keep_last_layer_dense": False}),
+    # DIANA's quantizer without the shifts h_i: the memoryless baseline of Mishchenko et al.'s comparison
+    "ddp_diana:no-memory": ("ddp_diana", {"memory": "none"}),
+}
+DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
+
+
+def strategy_arguments(method: str) -> dict[str, Any]:
+    """The ``GradCompStrategy`` arguments of one of our methods (a named strategy or a variant)."""
+    from lightning_gradcomp import NAMED_STRATEGIES
+
+    if method in VARIANTS:
+        preset, changes = VARIANTS[method]
+        return {**NAMED_STRATEGIES[preset][1], **changes}
+    if method in NAMED_STRATEGIES:
+        return dict(NAMED_STRATEGIES[method][1])
+    raise KeyError(f"unknown method {method!r}; choose from {[*TORCH_METHODS, *NAMED_STRATEGIES, *VARIANTS]}")
+
+
+def check_methods(methods: list[str]) -> None:
+    """Raise ``SystemExit`` naming the methods that are neither PyTorch's, named strategies nor variants."""
+    unknown = []
+    for method in methods:
+        if method not in TORCH_METHODS:
+            try:
+                strategy_arguments(method)
+            except KeyError:
+                unknown.append(method)
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {[*TORCH_METHODS, *OURS, *VARIANTS]}")
+
+
+def completed(hook):
+    """``hook`` with each bucket's future waited for before the next bucket starts.
+
+    PyTorch's fp16 and PowerSGD hooks chain further collectives from gloo's callback threads;
+    with several buckets on 4 ranks those are issued in different orders on different ranks and
+    gloo aborts ("Received data size doesn't match expected size"). Completing each bucket in
+    the hook, as the gradcomp hook does, keeps the order identical on every rank.
+    """
+
+    def completed_hook(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    completed_hook.__qualname__ = f"completed_{hook.__name__}"
+    return completed_hook
+
+
+def attach(method: str, ddp, model, seed: int = 0):
+    """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None.
+
+    ``seed`` seeds the method's random draws (our hooks' streams, PowerSGD's initial Q).
+    """
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
+
+    from lightning_gradcomp import GradCompStrategy
+    from lightning_gradcomp.hook import gradcomp_comm_hook
+
+    if method == "dense":
+        return None
+    if method == "fp16":
+        ddp.register_comm_hook(None, completed(default_hooks.fp16_compress_hook))
+        return None
+    if method == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=seed
+        )
+        ddp.register_comm_hook(state, completed(powersgd.powerSGD_hook))
+        return None
+    hook = GradCompStrategy(**strategy_arguments(method), seed=seed).build_hook(model)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    return hook

@@ -1,0 +1,366 @@
+"""Time to accuracy: how soon each method reaches plain DDP's accuracy on a slow link.
+
+Two measurements, combined:
+
+1. ``train``: P real gloo processes on loopback train ``--model`` on MNIST with every method
+   (plain DDP, PyTorch's fp16 and PowerSGD hooks, every named strategy, the variants of
+   ``methods.py``), once per seed; a seed fixes the initial weights, the batch order and the
+   compressors' random streams, and is the same for every method (paired runs). The validation
+   accuracy is taken every ``--eval-every`` steps: a curve of accuracy against steps.
+2. ``benchmarks/network.py --model M --batch B --ranks P``: the seconds per step of every method
+   on links shaped to 100 Mbit/s and 1 Gbit/s, measured in one launch.
+
+``report`` reads both: a method's *steps to target* is the first evaluated step at which its
+validation accuracy reaches the target (per seed), and its *time to target* is those steps times
+its seconds per step on the link. This is valid because what a step computes does not depend on
+the link: the same seed gives the same compressed payloads, the same averages and the same weights
+on a 100 Mbit/s link as on loopback (the hook's arithmetic and random streams are functions of
+the gradients, the seed, the rank and the step only); the link changes how long a step takes, and
+in steady state every step of a method takes the same time. Evaluation is not counted.
+
+    python benchmarks/time_to_accuracy.py train --model lenet --seeds 0 1 2 3 4 --json results/tta_lenet.json
+    sudo python benchmarks/network.py --model lenet --ranks 4 --batch 32 --rate 100mbit --rate 1gbit \\
+        --json results/network_lenet.json
+    python benchmarks/time_to_accuracy.py report --curves results/tta_lenet.json \\
+        --network results/network_lenet.json --png results/tta_lenet.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from methods import DEFAULT_METHODS, VARIANTS, attach, check_methods
+from paired import paired_difference, verdict
+from workloads import MODELS, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "mnist"
+DEFAULT_TRAIN_METHODS = ",".join((DEFAULT_METHODS, *VARIANTS))
+
+# ---------------------------------------------------------------- training curves (real ranks)
+
+
+def _mnist(data_dir: str, holdout: int) -> tuple[Any, Any]:
+    """(train, validation) tensors: the first images of t10k for training, the last ``holdout`` for validation."""
+    from lightning_gradcomp.examples.mnist import load_mnist
+
+    x, y = load_mnist(data_dir, "t10k").tensors
+    cut = len(x) - holdout
+    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+
+def _batches(seed: int, n: int, global_batch: int, steps: int):
+    """Indices of each step's global batch: a fresh permutation of the ``n`` images per epoch, from ``seed``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    order, position = torch.randperm(n, generator=gen), 0
+    for _ in range(steps):
+        if position + global_batch > n:
+            order, position = torch.randperm(n, generator=gen), 0
+        yield order[position : position + global_batch]
+        position += global_batch
+
+
+def _accuracy(model, val, rank: int, world: int) -> float:
+    """Validation accuracy in percent: every rank scores its share, the counts are summed."""
+    import torch
+    import torch.distributed as dist
+
+    x, y = val[0][rank::world], val[1][rank::world]
+    model.eval()
+    with torch.no_grad():
+        correct = sum(int((model(x[i : i + 500]).argmax(1) == y[i : i + 500]).sum()) for i in range(0, len(x), 500))
+    model.train()
+    counts = torch.tensor([correct, len(x)], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return 100.0 * float(counts[0] / counts[1])
+
+
+def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int, world: int) -> dict:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    (train_x, train_y), val = data
+    torch.manual_seed(seed)
+    model = build_model(args.model)
+    ddp = DistributedDataParallel(model)
+    hook = attach(method, ddp, model, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    curve, start = [], time.perf_counter()
+    for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
+        mine = indices[rank * args.batch : (rank + 1) * args.batch]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(train_x[mine]), train_y[mine]).backward()
+        optimizer.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            curve.append((step, _accuracy(model, val, rank, world)))
+    compressed = [s for s in hook.history if s.compressed] if hook is not None else []
+    return {
+        "curve": curve,
+        "final": curve[-1][1],
+        "seconds": time.perf_counter() - start,
+        "bytes_sent_per_step": statistics.mean(s.bytes_sent for s in compressed) if compressed else None,
+        "dense_bytes_per_step": statistics.mean(s.dense_bytes for s in compressed) if compressed else None,
+    }
+
+
+def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))  # fmt: skip
+    try:
+        data = _mnist(args.data_dir, args.holdout)
+        settings = ("model", "ranks", "batch", "lr", "momentum", "steps", "eval_every", "seeds")
+        report: dict[str, Any] = {key: getattr(args, key) for key in settings}
+        report["holdout"], report["runs"] = args.holdout, {}
+        for seed in args.seeds:
+            for method in args.methods.split(","):
+                result = _train_one(method, seed, args, data, rank, world)
+                if rank == 0:
+                    report["runs"].setdefault(method, {})[str(seed)] = result
+                    print(f"{method} seed {seed}: {result['final']:.2f}% ({result['seconds']:.0f} s)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    Path(args.json).write_text(json.dumps(report, indent=1))  # after every run: partial results kept
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    check_methods(args.methods.split(","))
+    if "dense" not in args.methods.split(","):
+        raise SystemExit("--methods must include dense: the targets are relative to plain DDP's accuracy")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_train_worker, args=(args.ranks, args, str(Path(tmp) / "store")), nprocs=args.ranks)
+    return 0
+
+
+# ---------------------------------------------------------------- combining curves and step times
+
+
+def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step whose validation accuracy is at least ``target`` (``None``: never)."""
+    return next((step for step, accuracy in curve if accuracy >= target), None)
+
+
+def seconds_per_step(network: dict, rate: str) -> dict[str, float]:
+    """``method -> seconds per step`` measured by network.py on links shaped to ``rate``."""
+    return {r["method"]: r["seconds_per_step"] for r in network["rates"][rate] if r["seconds_per_step"]}
+
+
+def check_same_setting(curves: dict, network: dict) -> None:
+    """Refuse to combine measurements of different models, batches or world sizes."""
+    for key in ("model", "batch", "ranks"):
+        if curves.get(key) != network.get(key):
+            raise ValueError(
+                f"the curves and the step times measure different settings: {key} is {curves.get(key)!r} in the "
+                f"curves and {network.get(key)!r} in the network results"
+            )
+
+
+def time_to_target(curves: dict, network: dict, rate: str, target: float) -> dict[str, dict]:
+    """Per method: steps and seconds to ``target`` per seed on ``rate``, and their means.
+
+    ``seconds[seed] = steps[seed] * s/step``; the means are over seeds, ``None`` unless every seed
+    reached the target (a mean over the lucky seeds would flatter a method).
+    """
+    per_step = seconds_per_step(network, rate)
+    table = {}
+    for method, runs in curves["runs"].items():
+        if method not in per_step:
+            continue
+        steps = {seed: steps_to_target(run["curve"], target) for seed, run in runs.items()}
+        seconds = {seed: None if s is None else s * per_step[method] for seed, s in steps.items()}
+        reached = [s for s in seconds.values() if s is not None]
+        table[method] = {
+            "seconds_per_step": per_step[method],
+            "steps": steps,
+            "seconds": seconds,
+            "reached": len(reached),
+            "mean_steps": statistics.mean(steps.values()) if len(reached) == len(steps) else None,
+            "mean_seconds": statistics.mean(reached) if len(reached) == len(seconds) else None,
+        }
+    dense = table.get("dense", {}).get("mean_seconds")
+    for row in table.values():
+        row["speedup_vs_dense"] = dense / row["mean_seconds"] if dense and row["mean_seconds"] else None
+    return table
+
+
+def finals(curves: dict) -> dict[str, dict[int, float]]:
+    """``method -> {seed: final validation accuracy}``."""
+    return {m: {int(s): run["final"] for s, run in runs.items()} for m, runs in curves["runs"].items()}
+
+
+def parity(curves: dict, tolerance: float) -> dict[str, dict]:
+    """Final accuracy of every method against plain DDP's, paired by seed, with the 95% interval and verdict."""
+    accuracy = finals(curves)
+    rows = {}
+    for method, by_seed in accuracy.items():
+        values = list(by_seed.values())
+        mean, half, n = paired_difference(by_seed, accuracy["dense"])
+        rows[method] = {
+            "mean": statistics.mean(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "difference": mean,
+            "half_width": half,
+            "seeds": n,
+            "verdict": "" if method == "dense" else verdict(mean, half, tolerance),
+        }
+    return rows
+
+
+def report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    curves = json.loads(Path(args.curves).read_text())
+    network = json.loads(Path(args.network).read_text()) if args.network else None
+    if network is not None:
+        check_same_setting(curves, network)
+    console, out = Console(), {"parity": parity(curves, args.tolerance), "links": {}}
+    dense_final = statistics.mean(finals(curves)["dense"].values())
+    targets = [dense_final - below for below in args.below]
+    seeds = len(curves["seeds"])
+
+    table = Table(title=f"{curves['model']} / MNIST, {curves['ranks']} ranks x {curves['batch']}, {curves['steps']} "
+                        f"steps, {seeds} seeds: final accuracy against plain DDP, paired by seed")  # fmt: skip
+    for column in ("method", "final acc % (mean +- sd)", "vs dense (points)", "95% interval", "verdict"):
+        table.add_column(column, justify="left" if column in ("method", "verdict") else "right")
+    for method, row in out["parity"].items():
+        low, high = row["difference"] - row["half_width"], row["difference"] + row["half_width"]
+        table.add_row(method, f"{row['mean']:.2f} +- {row['stdev']:.2f}", f"{row['difference']:+.2f}",
+                      f"[{low:+.2f}, {high:+.2f}]" if method != "dense" else "-",
+                      f"{row['verdict']} (tolerance {args.tolerance})" if row["verdict"] else "")  # fmt: skip
+    console.print(table)
+    if network is None:
+        _write(args, out)
+        return 0
+
+    for rate in [r for r in network["rates"] if r != "none" or args.loopback]:
+        out["links"][rate] = {f"{t:.2f}": time_to_target(curves, network, rate, t) for t in targets}
+        table = Table(title=f"Time to accuracy, links shaped to {rate}: steps to target x s/step measured by "
+                            f"network.py; targets {', '.join(f'{t:.2f}%' for t in targets)} (dense final "
+                            f"{dense_final:.2f}% minus {', '.join(map(str, args.below))} points)")  # fmt: skip
+        table.add_column("method", justify="left")
+        table.add_column("s/step", justify="right")
+        for t in targets:
+            for column in (f"steps to {t:.2f}", f"s to {t:.2f}", "x dense"):
+                table.add_column(column, justify="right")
+        table.add_column("final acc %", justify="right")
+        first = out["links"][rate][f"{targets[0]:.2f}"]
+        for method in first:
+            cells = [method, f"{first[method]['seconds_per_step']:.3f}"]
+            for t in targets:
+                row = out["links"][rate][f"{t:.2f}"][method]
+                missed = f"{seeds - row['reached']}/{seeds} seeds never"
+                cells += [f"{row['mean_steps']:.0f}" if row["mean_steps"] is not None else missed,
+                          f"{row['mean_seconds']:.1f}" if row["mean_seconds"] is not None else "-",
+                          f"{row['speedup_vs_dense']:.2f}" if row["speedup_vs_dense"] else "-"]  # fmt: skip
+            p = out["parity"][method]
+            cells.append(f"{p['mean']:.2f} +- {p['stdev']:.2f}")
+            table.add_row(*cells)
+        console.print(table)
+    if args.png:
+        plot(curves, network, targets, args.png, args.loopback)
+    _write(args, out)
+    return 0
+
+
+def _write(args: argparse.Namespace, out: dict) -> None:
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1, default=lambda v: None if v == math.inf else v))
+
+
+def plot(curves: dict, network: dict, targets: list[float], path: str, loopback: bool) -> None:
+    """Validation accuracy (mean over seeds) against wall-clock seconds on each link, one curve per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r for r in network["rates"] if r != "none" or loopback]
+    fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 5), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        per_step = seconds_per_step(network, rate)
+        for method, runs in curves["runs"].items():
+            if method not in per_step:
+                continue
+            by_step: dict[int, list[float]] = {}
+            for run in runs.values():
+                for step, accuracy in run["curve"]:
+                    by_step.setdefault(step, []).append(accuracy)
+            steps = sorted(by_step)
+            ax.plot([s * per_step[method] for s in steps], [statistics.mean(by_step[s]) for s in steps],
+                    label=method, linewidth=2.2 if method == "dense" else 1.2,
+                    color="black" if method == "dense" else None)  # fmt: skip
+        for t in targets:
+            ax.axhline(t, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_ylim(max(0.0, min(targets) - 8), 100)
+        ax.set_xlabel(f"wall-clock seconds on {rate} links (steps x s/step)")
+        ax.set_ylabel("validation accuracy %")
+        ax.set_title(f"{curves['model']}, {curves['ranks']} ranks, {rate}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    t = commands.add_parser("train", help="accuracy curves of every method and seed (real gloo ranks)")
+    t.add_argument("--model", default="lenet", choices=["lenet", "mnist-mlp"])
+    t.add_argument("--methods", default=DEFAULT_TRAIN_METHODS)
+    t.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    t.add_argument("--ranks", type=int, default=4)
+    t.add_argument("--batch", type=int, default=32, help="images per rank per step (network.py's default)")
+    t.add_argument("--steps", type=int, default=500)
+    t.add_argument("--eval-every", type=int, default=20)
+    t.add_argument("--lr", type=float, default=0.05)
+    t.add_argument("--momentum", type=float, default=0.9)
+    t.add_argument("--data-dir", default=str(DEFAULT_DATA))
+    t.add_argument("--holdout", type=int, default=2000, help="last images of t10k used for validation")
+    t.add_argument("--timeout", type=float, default=600, help="process group timeout, seconds")
+    t.add_argument("--json", required=True)
+    r = commands.add_parser("report", help="combine curves with network.py's step times; tables and a PNG")
+    r.add_argument("--curves", required=True, help="the JSON written by train")
+    r.add_argument("--network", help="the JSON written by network.py for the same model, batch and ranks")
+    r.add_argument("--below", type=float, nargs="+", default=[0.5, 2.0],
+                   help="targets: points below plain DDP's mean final accuracy")  # fmt: skip
+    r.add_argument("--tolerance", type=float, default=0.5, help="points of accuracy a method may lose")
+    r.add_argument("--loopback", action="store_true", help="also report the unshaped links ('none')")
+    r.add_argument("--png")
+    r.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        if args.ranks < 2 or args.steps < 1 or args.eval_every < 1 or len(set(args.seeds)) != len(args.seeds):
+            parser.error("--ranks must be >= 2, --steps and --eval-every >= 1, --seeds distinct")
+        if args.model not in MODELS:
+            parser.error(f"--model must be one of {list(MODELS)}")
+        return train(args)
+    return report(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
