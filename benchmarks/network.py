@@ -6,7 +6,9 @@ link, ``GLOO_SOCKET_IFNAME``), and trains the same model on the same batches wit
 ONE launch, so the ratios between methods are comparable: plain DDP, PyTorch's fp16 and
 PowerSGD hooks, every named strategy with the hook ``GradCompStrategy`` installs for it, and the
 variants of ``methods.py``; ``--model`` picks one of the models of ``workloads.py`` (random inputs of
-its shape: what a step costs does not depend on the pixels).
+its shape: what a step costs does not depend on the pixels). A method with a density warm-up (the
+Top-k presets) first has its dense first step and its warm-up timed on their own
+(``warmup_seconds_per_step`` in the JSON), then its steady state; the table shows the steady state.
 
 Reports images/s, scaling efficiency (throughput at P / (P x single-process throughput)) and, for
 our hooks, the bytes each rank handed to collectives per step and got back, and each method's
@@ -51,6 +53,10 @@ class Result:
     bytes_sent_per_step: float | None
     dense_bytes_per_step: float | None
     bytes_received_per_step: float | None = None
+    #: the method's density warm-up (0: none) and the mean seconds of its first ``1 + steps`` steps
+    #: (the dense first step and the warm-up), timed before the steady state
+    density_warmup_steps: int = 0
+    warmup_seconds_per_step: float | None = None
     note: str = ""
 
 
@@ -84,15 +90,25 @@ def worker(args: argparse.Namespace) -> None:
             results.append(Result(method, 0.0, 0.0, None, None, note=f"skipped: {err}"))
             continue
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        for step, (x, y) in enumerate(batches):
-            if step == args.warmup:
-                dist.barrier()
-                start = time.perf_counter()
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            optimizer.step()
-        dist.barrier()
-        elapsed = time.perf_counter() - start
+
+        def run(first: int, count: int, ddp=ddp, optimizer=optimizer) -> float:
+            """Seconds ``count`` steps take on every rank, from batch ``first`` on (cycling)."""
+            dist.barrier()
+            start = time.perf_counter()
+            for step in range(first, first + count):
+                x, y = batches[step % len(batches)]
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                optimizer.step()
+            dist.barrier()
+            return time.perf_counter() - start
+
+        # a density warm-up is timed on its own (the dense first step with it), then the steady state
+        density_warmup = hook.density_warmup.steps if hook is not None and hook.density_warmup is not None else 0
+        warmup_seconds = run(0, 1 + density_warmup) / (1 + density_warmup) if density_warmup else None
+        untimed = 0 if density_warmup else args.warmup
+        run(1 + density_warmup, untimed)
+        elapsed = run(1 + density_warmup + untimed, args.steps)
         if rank == 0:
             print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
         timed = [s for s in hook.history if s.compressed][-args.steps :] if hook is not None else []
@@ -104,6 +120,8 @@ def worker(args: argparse.Namespace) -> None:
                 bytes_sent_per_step=sum(s.bytes_sent for s in timed) / len(timed) if timed else None,
                 dense_bytes_per_step=sum(s.dense_bytes for s in timed) / len(timed) if timed else None,
                 bytes_received_per_step=sum(s.bytes_received for s in timed) / len(timed) if timed else None,
+                density_warmup_steps=density_warmup,
+                warmup_seconds_per_step=warmup_seconds,
             )
         )
     if rank == 0:

@@ -12,10 +12,11 @@ Two measurements, combined:
 
 ``report`` reads both: a method's *steps to target* is the first evaluated step at which its
 validation accuracy reaches the target (per seed), and its *time to target* is those steps times
-its seconds per step on the link. This is valid because what a step computes does not depend on
-the link: the same seed gives the same compressed payloads, the same averages and the same weights
-on a 100 Mbit/s link as on loopback (the hook's arithmetic and random streams are functions of
-the gradients, the seed, the rank and the step only); the link changes how long a step takes, and
+its seconds per step on the link (a density warm-up's first steps at their own measured mean). This
+is valid because what a step computes does not depend on the link: the same seed gives the same
+compressed payloads, the same averages and the same weights on a 100 Mbit/s link as on loopback
+(the hook's arithmetic and random streams are functions of the gradients, the seed, the rank and
+the step only); the link changes how long a step takes, and
 in steady state every step of a method takes the same time. Evaluation is not counted.
 
     python benchmarks/time_to_accuracy.py train --model lenet --seeds 0 1 2 3 4 --json results/tta_lenet.json
@@ -87,6 +88,17 @@ def _accuracy(model, val, rank: int, world: int) -> float:
     return 100.0 * float(counts[0] / counts[1])
 
 
+def _parameter_groups(model, hook, momentum: float) -> list[dict]:
+    """One group with ``momentum``; under momentum correction the compressed parameters get none
+    (the hook's memory applies it before sparsifying)."""
+    if hook is None or not getattr(hook.memory, "momentum", 0.0):
+        return [{"params": list(model.parameters()), "momentum": momentum}]
+    compressed = {name for unit in hook.units if unit.compressed for name in unit.names}
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in compressed], "momentum": 0.0},
+            {"params": [p for n, p in named if n not in compressed], "momentum": momentum}]  # fmt: skip
+
+
 def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int, world: int) -> dict:
     import torch
     from torch import nn
@@ -97,7 +109,7 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     model = build_model(args.model)
     ddp = DistributedDataParallel(model)
     hook = attach(method, ddp, model, seed=seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    optimizer = torch.optim.SGD(_parameter_groups(model, hook, args.momentum), lr=args.lr)
     curve, start = [], time.perf_counter()
     for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
         mine = indices[rank * args.batch : (rank + 1) * args.batch]
@@ -161,9 +173,20 @@ def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None
     return next((step for step, accuracy in curve if accuracy >= target), None)
 
 
-def seconds_per_step(network: dict, rate: str) -> dict[str, float]:
-    """``method -> seconds per step`` measured by network.py on links shaped to ``rate``."""
-    return {r["method"]: r["seconds_per_step"] for r in network["rates"][rate] if r["seconds_per_step"]}
+def elapsed_seconds(measured: dict, steps: int) -> float:
+    """Wall-clock seconds of a method's first ``steps`` steps from network.py's row ``measured``.
+
+    ``steps * s/step``, except that a method with a density warm-up spends its first ``1 + W``
+    steps (the dense first step and the warm-up, which send more) at their own measured mean.
+    """
+    phase = 1 + measured.get("density_warmup_steps", 0) if measured.get("warmup_seconds_per_step") else 0
+    early = min(steps, phase)
+    return early * (measured.get("warmup_seconds_per_step") or 0.0) + (steps - early) * measured["seconds_per_step"]
+
+
+def measurements(network: dict, rate: str) -> dict[str, dict]:
+    """``method -> network.py's row`` on ``rate``, for the methods it timed."""
+    return {r["method"]: r for r in network["rates"][rate] if r["seconds_per_step"]}
 
 
 def check_same_setting(curves: dict, network: dict) -> None:
@@ -179,19 +202,20 @@ def check_same_setting(curves: dict, network: dict) -> None:
 def time_to_target(curves: dict, network: dict, rate: str, target: float) -> dict[str, dict]:
     """Per method: steps and seconds to ``target`` per seed on ``rate``, and their means.
 
-    ``seconds[seed] = steps[seed] * s/step``; the means are over seeds, ``None`` unless every seed
-    reached the target (a mean over the lucky seeds would flatter a method).
+    ``seconds[seed] = elapsed_seconds(steps[seed])`` (``steps * s/step`` in steady state); the means
+    are over seeds, ``None`` unless every seed reached the target (a mean over the lucky seeds would
+    flatter a method).
     """
-    per_step = seconds_per_step(network, rate)
+    measured = measurements(network, rate)
     table = {}
     for method, runs in curves["runs"].items():
-        if method not in per_step:
+        if method not in measured:
             continue
         steps = {seed: steps_to_target(run["curve"], target) for seed, run in runs.items()}
-        seconds = {seed: None if s is None else s * per_step[method] for seed, s in steps.items()}
+        seconds = {seed: None if s is None else elapsed_seconds(measured[method], s) for seed, s in steps.items()}
         reached = [s for s in seconds.values() if s is not None]
         table[method] = {
-            "seconds_per_step": per_step[method],
+            "seconds_per_step": measured[method]["seconds_per_step"],
             "steps": steps,
             "seconds": seconds,
             "reached": len(reached),
@@ -227,11 +251,31 @@ def parity(curves: dict, tolerance: float) -> dict[str, dict]:
     return rows
 
 
+def load_curves(paths: list[str]) -> dict:
+    """The curves of several ``train`` runs of the same setting, restricted to the seeds every method has.
+
+    A run stopped early leaves its last seed to some methods only; pairing needs the same seeds.
+    """
+    curves = json.loads(Path(paths[0]).read_text())
+    for path in paths[1:]:
+        more = json.loads(Path(path).read_text())
+        for key in ("model", "ranks", "batch", "lr", "steps", "eval_every", "holdout"):
+            if more.get(key) != curves.get(key):
+                raise ValueError(f"{path} has {key}={more.get(key)!r}, {paths[0]} {curves.get(key)!r}: not comparable")
+        for method, runs in more["runs"].items():
+            for seed, run in runs.items():
+                curves["runs"].setdefault(method, {}).setdefault(seed, run)
+    common = set.intersection(*(set(runs) for runs in curves["runs"].values()))
+    curves["runs"] = {m: {s: run for s, run in runs.items() if s in common} for m, runs in curves["runs"].items()}
+    curves["seeds"] = sorted(int(s) for s in common)
+    return curves
+
+
 def report(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    curves = json.loads(Path(args.curves).read_text())
+    curves = load_curves(args.curves)
     network = json.loads(Path(args.network).read_text()) if args.network else None
     if network is not None:
         check_same_setting(curves, network)
@@ -270,7 +314,7 @@ def report(args: argparse.Namespace) -> int:
             cells = [method, f"{first[method]['seconds_per_step']:.3f}"]
             for t in targets:
                 row = out["links"][rate][f"{t:.2f}"][method]
-                missed = f"{seeds - row['reached']}/{seeds} seeds never"
+                missed = f"{seeds - row['reached']}/{seeds} never"
                 cells += [f"{row['mean_steps']:.0f}" if row["mean_steps"] is not None else missed,
                           f"{row['mean_seconds']:.1f}" if row["mean_seconds"] is not None else "-",
                           f"{row['speedup_vs_dense']:.2f}" if row["speedup_vs_dense"] else "-"]  # fmt: skip
@@ -300,16 +344,16 @@ def plot(curves: dict, network: dict, targets: list[float], path: str, loopback:
     rates = [r for r in network["rates"] if r != "none" or loopback]
     fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 5), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        per_step = seconds_per_step(network, rate)
+        measured = measurements(network, rate)
         for method, runs in curves["runs"].items():
-            if method not in per_step:
+            if method not in measured:
                 continue
             by_step: dict[int, list[float]] = {}
             for run in runs.values():
                 for step, accuracy in run["curve"]:
                     by_step.setdefault(step, []).append(accuracy)
             steps = sorted(by_step)
-            ax.plot([s * per_step[method] for s in steps], [statistics.mean(by_step[s]) for s in steps],
+            ax.plot([elapsed_seconds(measured[method], s) for s in steps], [statistics.mean(by_step[s]) for s in steps],
                     label=method, linewidth=2.2 if method == "dense" else 1.2,
                     color="black" if method == "dense" else None)  # fmt: skip
         for t in targets:
@@ -344,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--timeout", type=float, default=600, help="process group timeout, seconds")
     t.add_argument("--json", required=True)
     r = commands.add_parser("report", help="combine curves with network.py's step times; tables and a PNG")
-    r.add_argument("--curves", required=True, help="the JSON written by train")
+    r.add_argument("--curves", required=True, nargs="+", help="JSONs written by train (same setting)")
     r.add_argument("--network", help="the JSON written by network.py for the same model, batch and ranks")
     r.add_argument("--below", type=float, nargs="+", default=[0.5, 2.0],
                    help="targets: points below plain DDP's mean final accuracy")  # fmt: skip

@@ -421,28 +421,41 @@ def result_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+#: Strategies ``compare`` treats as the dense baseline, in order of preference.
+DENSE_BASELINES = ("ddp", "ddp_gradcomp_dense")
+
+
 def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
-    """The rich table ``gradcomp compare`` prints."""
+    """The rich table ``gradcomp compare`` prints.
+
+    When a dense baseline (:data:`DENSE_BASELINES`) ran, every other run also shows what a user
+    judges it by: its accuracy against the baseline's (points), the bytes it saved over the run, and
+    its fit time as a multiple of the baseline's (on this machine's links, not a slow one).
+    """
     from rich.table import Table
 
+    ok = {row["strategy"]: row for row in rows if row["ok"]}
+    baseline = next((ok[name] for name in DENSE_BASELINES if name in ok), None)
     table = Table(title=title)
-    for column in ("strategy", "val_acc", "val_loss", "sent B/step", "dense B/step", "ratio"):
+    columns = ["strategy", "val_acc", "val_loss", "sent B/step", "dense B/step", "ratio", "fit s", "wall s"]
+    if baseline is not None:
+        columns += [f"acc vs {baseline['strategy']}", "MB saved", f"fit s x {baseline['strategy']}"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "strategy" else "right")
-    for column in ("fit s", "wall s"):
-        table.add_column(column, justify="right")
 
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     for row in rows:
         if not row["ok"]:
-            table.add_row(row["strategy"], "failed", "", "", "", "", "", fmt(row["wall_seconds"], ".1f"))
+            cells = [row["strategy"], "failed", "", "", "", "", "", fmt(row["wall_seconds"], ".1f")]
+            table.add_row(*cells, *([""] * (len(columns) - len(cells))))
             continue
         sent = fmt(row["bytes_sent_per_step"], ",.0f")
         if row["bytes_source"] == BYTES_FROM_PARAMETERS:
             sent += " *"
         ratio = row["compression_ratio"]
-        table.add_row(
+        cells = [
             row["strategy"],
             fmt(row["val_acc"], ".4f"),
             fmt(row["val_loss"], ".4f"),
@@ -451,12 +464,29 @@ def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
             "-" if ratio is None else f"{ratio:.1f}x",
             fmt(row["fit_seconds"], ".1f"),
             fmt(row["wall_seconds"], ".1f"),
-        )
+        ]
+        if baseline is not None:
+            cells += _against_baseline(row, baseline) if row is not baseline else ["-", "-", "-"]
+        table.add_row(*cells)
     if any(row["ok"] and row["bytes_source"] == BYTES_FROM_PARAMETERS for row in rows):
         table.caption = (
             "* plain DDP: bytes of the gradients it allreduces (trainable parameters), not counted by a hook"
         )
     return table
+
+
+def _against_baseline(row: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
+    """Accuracy difference (points), megabytes saved over the run, fit time as a multiple of the baseline's."""
+    accuracy = (
+        f"{100 * (row['val_acc'] - baseline['val_acc']):+.2f} pt"
+        if row["val_acc"] is not None and baseline["val_acc"] is not None
+        else "-"
+    )
+    sent, dense, steps = row["bytes_sent_per_step"], row["dense_bytes_per_step"], row["exchange_steps"]
+    saved = f"{(dense - sent) * steps / 1e6:,.1f}" if None not in (sent, dense, steps) else "-"
+    fit, base_fit = row["fit_seconds"], baseline["fit_seconds"]
+    time = f"{fit / base_fit:.2f}" if fit and base_fit else "-"
+    return [accuracy, saved, time]
 
 
 def plot_curves(records: Sequence[dict[str, Any]], path: Path, title: str, accuracy: str = "val_acc") -> list[dict]:

@@ -129,37 +129,55 @@ class ErrorFeedback(Memory):
     (Shi et al., ICDCS 2019, Algorithm 1). For a sparsifier ``sent`` equals
     ``acc`` where it is nonzero, so ``sent + residual == acc`` holds exactly. A non-finite ``acc``
     leaves the residual as it was.
+
+    Args:
+        momentum: DGC's momentum correction (Lin et al., ICLR 2018, Sec. 3.2) when positive: each
+            rank keeps a velocity ``u = momentum * u + grad`` and accumulates the velocity instead
+            of the gradient, ``acc = u + residual``, and both ``u`` and the residual are zeroed
+            where entries were sent (momentum factor masking), so the sparse updates add up to
+            what momentum SGD would apply. The momentum is then applied here, before
+            sparsification: the optimizer must be plain SGD without momentum.
     """
 
     name = "ef"
 
-    def __init__(self) -> None:
+    def __init__(self, momentum: float = 0.0) -> None:
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"memory 'ef': momentum must be a number in [0, 1), got {momentum!r}")
+        self.momentum = float(momentum)
         self._residuals: dict[str, Tensor] = {}
+        self._velocities: dict[str, Tensor] = {}
+
+    def _check_shape(self, name: str, x: Tensor) -> None:
+        for what, state in (("residual", self._residuals), ("velocity", self._velocities)):
+            if name in state and state[name].shape != x.shape:
+                raise ValueError(
+                    f"{what} for {name!r} has shape {tuple(state[name].shape)} but its gradient has {tuple(x.shape)}"
+                )
 
     def compensate(self, name: str, grad: Tensor) -> Tensor:
-        residual = self._residuals.get(name)
-        if residual is None:
-            return grad.clone()
-        if residual.shape != grad.shape:
-            raise ValueError(
-                f"residual for {name!r} has shape {tuple(residual.shape)} but its gradient has {tuple(grad.shape)}"
-            )
-        return grad + residual
+        return self.compensate_(name, grad.clone())
 
     def compensate_(self, name: str, x: Tensor) -> Tensor:
+        self._check_shape(name, x)
+        if self.momentum:
+            velocity = self._velocities.get(name)
+            if velocity is None:
+                velocity = self._velocities[name] = torch.zeros_like(x)
+            x.add_(velocity, alpha=self.momentum)  # u = momentum * u + grad, kept in x until update
         residual = self._residuals.get(name)
-        if residual is None:
-            return x
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"residual for {name!r} has shape {tuple(residual.shape)} but its gradient has {tuple(x.shape)}"
-            )
-        return x.add_(residual)
+        return x if residual is None else x.add_(residual)
 
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         if not all_finite(compensated):
             return  # a NaN/Inf that was never sent must not sit in the residual forever
         residual = self._residuals.get(name)
+        if self.momentum:
+            # the new velocity is what compensate_ added to the gradient: acc - old residual
+            velocity = self._velocities[name]
+            velocity.copy_(compensated)
+            if residual is not None:
+                velocity.sub_(residual)
         if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
             residual = self._residuals[name] = torch.empty_like(compensated)  # allocated once
         residual.copy_(compensated)
@@ -167,6 +185,8 @@ class ErrorFeedback(Memory):
             residual.sub_(sent)
         else:
             sent.add_to_(residual, alpha=-1)  # sparse: k entries, acc - acc, exactly 0; ternary: one fused pass
+        if self.momentum:
+            _zero_where_sent(self._velocities[name], sent)
 
     def local_state(self) -> list[Tensor]:
         return list(self._residuals.values())
@@ -175,11 +195,35 @@ class ErrorFeedback(Memory):
         """The current residual of parameter ``name`` (``None`` before its first compressed step)."""
         return self._residuals.get(name)
 
+    def velocity(self, name: str) -> Tensor | None:
+        """The momentum-correction velocity of ``name`` (``None`` without momentum or before its first step)."""
+        return self._velocities.get(name)
+
     def state_dict(self) -> dict[str, Tensor]:
-        return dict(self._residuals)
+        return {**self._residuals, **{_VELOCITY + name: v for name, v in self._velocities.items()}}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        self._residuals = {name: r.clone() for name, r in state.items()}
+        velocities = {name[len(_VELOCITY) :]: v.clone() for name, v in state.items() if name.startswith(_VELOCITY)}
+        if velocities and not self.momentum:
+            raise ValueError("the saved error feedback has momentum-correction velocities; this one has momentum 0")
+        self._velocities = velocities
+        self._residuals = {name: r.clone() for name, r in state.items() if not name.startswith(_VELOCITY)}
+
+
+#: Key prefix of the velocities in :meth:`ErrorFeedback.state_dict` (no parameter name starts so).
+_VELOCITY = "velocity:"
+
+
+def _zero_where_sent(velocity: Tensor, sent: Sent) -> None:
+    """Momentum factor masking (Lin et al., 2018, Sec. 3.2): no velocity where entries were sent."""
+    from lightning_gradcomp.compressors import SparseEntries
+
+    if isinstance(sent, SparseEntries):
+        velocity.index_fill_(0, sent.indices, 0)
+    elif isinstance(sent, Tensor):
+        velocity.masked_fill_(sent != 0, 0)
+    else:
+        raise TypeError(f"momentum correction masks sparse payloads' entries; got {type(sent).__name__}")
 
 
 class Diana(Memory):

@@ -244,6 +244,11 @@ class GradCompStrategy(DDPStrategy):
         self.aggregator_name = aggregator
         self.granularity = granularity
         self.memory: Memory = build_memory(memory, **memory_args)
+        if getattr(self.memory, "momentum", 0.0) and not hasattr(self.compressor, "density"):
+            raise ValueError(
+                f"memory_kwargs={{'momentum': {self.memory.momentum}}} is DGC's momentum correction for "
+                f"sparsifiers (topk, gaussiank, dgc); {self.compressor!r} does not sparsify"
+            )
         self.gradcomp_hook: GradCompHook | None = None
         super().__init__(
             accelerator=accelerator,
@@ -350,11 +355,38 @@ class GradCompStrategy(DDPStrategy):
             self._pending_hook_state = None
         self.model.register_comm_hook(state=self.gradcomp_hook, hook=gradcomp_comm_hook)
 
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._check_momentum_correction()
+
+    def _check_momentum_correction(self) -> None:
+        """Under momentum correction the momentum is applied before sparsifying: refuse it twice.
+
+        The optimizer must not add its own momentum to the compressed parameters (Lin et al., 2018,
+        Sec. 3.2); parameters averaged densely (biases, a dense last layer) may keep theirs in a
+        parameter group of their own.
+        """
+        if not getattr(self.memory, "momentum", 0.0) or self.gradcomp_hook is None:
+            return
+        compressed = {name for unit in self.gradcomp_hook.units if unit.compressed for name in unit.names}
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        for optimizer in self.optimizers:
+            for index, group in enumerate(optimizer.param_groups):
+                clash = sorted(names[id(p)] for p in group["params"] if names.get(id(p)) in compressed)
+                if group.get("momentum", 0.0) and clash:
+                    raise ValueError(
+                        f"memory_kwargs={{'momentum': {self.memory.momentum}}} applies momentum on each rank before "
+                        f"sparsifying (DGC's momentum correction), but parameter group {index} of "
+                        f"{type(optimizer).__name__} adds momentum {group['momentum']} again to compressed "
+                        f"parameters {clash[:3]}{' ...' if len(clash) > 3 else ''}: give those momentum 0"
+                    )
+
     def compression_settings(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, str]:
         """Every setting all ranks must share, as text: compared across ranks at setup."""
         return {
             "compressor": repr(self.compressor),
-            "memory": f"{self.memory.name} {getattr(self.memory, 'alpha', '')}".strip(),
+            "memory": f"{self.memory.name} {getattr(self.memory, 'alpha', '')} {getattr(self.memory, 'momentum', '')}",
             "aggregator": self.resolved_aggregator(self.world_size),
             "granularity": self.granularity,
             "unit_cap_mb": str(self.unit_cap_mb),

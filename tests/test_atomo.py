@@ -411,3 +411,22 @@ def test_spectral_decomposition_of_a_rank_deficient_matrix_keeps_every_atom_exac
     assert torch.isfinite(vh).all()
     zero = spectral_decomposition(torch.zeros(4, 9))
     assert torch.equal(zero[1], torch.zeros(4)) and torch.equal(zero[2], torch.zeros(4, 9))
+
+
+def test_spectral_decomposition_falls_back_to_the_svd_when_the_eigensolver_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # LAPACK's syevd failed to converge on a LeNet-5 gradient's Gram matrix during a 600-step run
+    def failing_eigh(*args: object, **kwargs: object) -> None:
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((12, 40), (40, 12)):
+        matrix = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        expected = torch.linalg.svdvals(matrix)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.linalg, "eigh", failing_eigh)
+            u, s, vh = spectral_decomposition(matrix)
+        torch.testing.assert_close(u @ torch.diag(s) @ vh, matrix, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(s, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(u.T @ u, torch.eye(u.shape[1], dtype=torch.float64), rtol=0, atol=1e-12)

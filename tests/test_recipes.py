@@ -187,7 +187,7 @@ def test_quickstart_fits_and_validates_its_checkpoint(recipe_runs: dict[str, dic
     assert fit["ok"], fit.get("error")
     assert fit["global_step"] == 20 and fit["compressed_steps"] == 19
     assert [p["step"] for p in fit["summary"]["curve"]] == [10, 20]
-    assert fit["summary"]["compression_ratio"] > 10
+    assert fit["summary"]["compression_ratio"] > 4.5  # 1 dense step + 19 at about 6x (logits layer dense)
     assert validate is not None and validate["ok"], validate and validate.get("error")
     # the checkpoint holds the weights the last validation of fit saw
     assert validate["metrics"]["val_acc"] == pytest.approx(fit["summary"]["val_acc"], abs=1e-6)

@@ -111,3 +111,11 @@ def test_a_tiny_run_reports_the_steps_and_seconds_its_curves_imply(tmp_path: Pat
         curves["runs"]["ddp_topk"]["0"]["final"] - curves["runs"]["dense"]["0"]["final"]
     )
     assert png.stat().st_size > 10_000
+
+
+def test_a_density_warmup_is_counted_at_its_own_measured_pace() -> None:
+    steady = {"seconds_per_step": 0.1}
+    warm = {"seconds_per_step": 0.1, "density_warmup_steps": 9, "warmup_seconds_per_step": 0.3}
+    assert tta.elapsed_seconds(steady, 50) == pytest.approx(5.0)
+    assert tta.elapsed_seconds(warm, 4) == pytest.approx(4 * 0.3)  # inside the dense step + warm-up
+    assert tta.elapsed_seconds(warm, 50) == pytest.approx(10 * 0.3 + 40 * 0.1)

@@ -209,11 +209,16 @@ def spectral_decomposition(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     error about ``eps * ||A||``, as an SVD's), not from the squared eigenvalues, whose small values
     lose half their digits. A direction with ``sigma_i = 0`` has ``B_i = 0``, carries nothing, and
     gets ``v_i = 0`` and probability 0.
+
+    Any orthonormal ``U`` keeps that identity, which is what the fallback uses: when LAPACK's
+    symmetric eigensolver fails to converge on an ill-conditioned Gram matrix (seen on LeNet-5's
+    gradients), the basis comes from an SVD of ``A`` itself. (Non-finite gradients never get here:
+    :meth:`AtomoCompressor.compress` sends them on as they are.)
     """
     m, n = matrix.shape
     wide = m <= n
     a = matrix if wide else matrix.T
-    basis = torch.linalg.eigh(a @ a.T).eigenvectors  # orthonormal, ascending eigenvalues
+    basis = _orthonormal_basis(a)
     rows = basis.T @ a  # row i: sigma_i v_i^T
     sigma = torch.linalg.vector_norm(rows, dim=1)
     order = torch.argsort(sigma, descending=True)
@@ -222,6 +227,14 @@ def spectral_decomposition(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if wide:
         return basis, sigma, directions
     return directions.T, sigma, basis.T
+
+
+def _orthonormal_basis(a: Tensor) -> Tensor:
+    """Eigenvectors of ``a a^T`` (``a`` wide), or the left singular vectors of ``a`` if the eigensolver fails."""
+    try:
+        return torch.linalg.eigh(a @ a.T).eigenvectors  # orthonormal, ascending eigenvalues
+    except torch.linalg.LinAlgError:
+        return torch.linalg.svd(a, full_matrices=False).U
 
 
 class AtomoCompressor(Compressor):

@@ -157,16 +157,21 @@ def summary_table(summary: dict[str, Any], accuracy: str = "val_acc", loss: str 
     if summary.get("compressor"):
         title += f": {summary['compressor']}"
     table = Table(title=title)
-    columns = (accuracy, loss, "sent B/step", "dense B/step", "ratio", "bytes from", "fit s")
+    columns = (accuracy, loss, "sent B/step", "dense B/step", "ratio", "MB saved", "bytes from", "fit s")
     for column in columns:
         table.add_column(column, justify="right")
     ratio = summary["compression_ratio"]
+    sent, dense, steps = summary["bytes_sent_per_step"], summary["dense_bytes_per_step"], summary.get("exchange_steps")
+    saved = None if None in (sent, dense, steps) else (dense - sent) * steps / 1e6
+    if summary.get("compressor"):
+        table.caption = "accuracy against plain DDP on the same recipe: gradcomp compare --strategies ddp,recipe"
     table.add_row(
         _format(summary[accuracy], ".4f"),
         _format(summary[loss], ".4f"),
         _format(summary["bytes_sent_per_step"], ",.0f"),
         _format(summary["dense_bytes_per_step"], ",.0f"),
         "-" if ratio is None else f"{ratio:.1f}x",
+        _format(saved, ",.1f"),
         summary["bytes_source"],
         f"{summary['fit_seconds']:.1f}",
     )
