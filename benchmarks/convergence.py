@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paired import paired_difference, verdict
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "lenet_mnist_topk.yaml"
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "mnist"
@@ -42,8 +44,8 @@ METHODS: dict[str, dict[str, object]] = {
     "diana": {"compressor": "quantizer", "density": None, "memory": "diana", "aggregator": "allgather"},
     "atomo": {"compressor": "atomo", "density": None, "memory": "none", "aggregator": "allgather"},
 }
-#: Tolerances the issues set (points of accuracy below dense).
-TOLERANCE = {"terngrad": 1.0, "gtopk": 1.0, "atomo": 1.5}
+#: Points of accuracy a method may lose against dense.
+TOLERANCE = 0.5
 
 
 def _value(value: object) -> str:
@@ -103,22 +105,21 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(f"{method}: {rows[method]['mean']:.2f} +- {rows[method]['stdev']:.2f}", file=sys.stderr, flush=True)
     dense = rows["dense"]
-    table = Table(title=f"LeNet-5 / MNIST, 2 CPU processes, {args.steps} steps, seeds {args.seeds}")
-    for column in ("method", "val acc % (mean +- sd)", "vs dense (points)", "per seed", "bytes/step", "ratio",
-                   "tolerance", "verdict"):  # fmt: skip
+    table = Table(title=f"LeNet-5 / MNIST, 2 CPU processes, {args.steps} steps, seeds {args.seeds}, "
+                        "differences paired by seed")  # fmt: skip
+    for column in ("method", "val acc % (mean +- sd)", "vs dense (points)", "95% interval", "per seed",
+                   "bytes/step", "ratio", "verdict"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("method", "per seed", "verdict") else "right")
     for method, row in rows.items():
-        gap = row["mean"] - dense["mean"]
-        row["gap_points"] = gap
-        tolerance = TOLERANCE.get(method)
-        verdict = "" if tolerance is None or method == "dense" else (
-            "within" if gap >= -tolerance else f"misses by {-gap - tolerance:.2f}")  # fmt: skip
-        row["verdict"] = verdict
+        gap, half, _ = paired_difference(row["accuracy_by_seed"], dense["accuracy_by_seed"])
+        row["gap_points"], row["half_width"] = gap, half
+        row["verdict"] = "" if method == "dense" else verdict(gap, half, TOLERANCE)
         ratio = row["dense_bytes_per_step"] / row["bytes_sent_per_step"] if row["bytes_sent_per_step"] else None
         table.add_row(method, f"{row['mean']:.2f} +- {row['stdev']:.2f}", f"{gap:+.2f}",
+                      "-" if method == "dense" else f"[{gap - half:+.2f}, {gap + half:+.2f}]",
                       " ".join(f"{a:.2f}" for a in row["accuracy_by_seed"].values()),
                       f"{row['bytes_sent_per_step']:,.0f}", f"{ratio:.1f}x" if ratio else "-",
-                      f"{tolerance}" if tolerance else "-", verdict)  # fmt: skip
+                      f"{row['verdict']} (tolerance {TOLERANCE})" if row["verdict"] else "")  # fmt: skip
     Console().print(table)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

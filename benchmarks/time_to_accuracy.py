@@ -199,8 +199,14 @@ def check_same_setting(curves: dict, network: dict) -> None:
             )
 
 
-def time_to_target(curves: dict, network: dict, rate: str, target: float) -> dict[str, dict]:
-    """Per method: steps and seconds to ``target`` per seed on ``rate``, and their means.
+def dense_targets(curves: dict, below: float) -> dict[str, float]:
+    """``seed -> plain DDP's final accuracy with that seed minus below``: each seed's target is set by
+    the dense run it is paired with, so plain DDP reaches every one of its targets."""
+    return {seed: run["final"] - below for seed, run in curves["runs"]["dense"].items()}
+
+
+def time_to_target(curves: dict, network: dict, rate: str, targets: dict[str, float]) -> dict[str, dict]:
+    """Per method: steps and seconds to ``targets[seed]`` per seed on ``rate``, and their means.
 
     ``seconds[seed] = elapsed_seconds(steps[seed])`` (``steps * s/step`` in steady state); the means
     are over seeds, ``None`` unless every seed reached the target (a mean over the lucky seeds would
@@ -211,7 +217,7 @@ def time_to_target(curves: dict, network: dict, rate: str, target: float) -> dic
     for method, runs in curves["runs"].items():
         if method not in measured:
             continue
-        steps = {seed: steps_to_target(run["curve"], target) for seed, run in runs.items()}
+        steps = {seed: steps_to_target(run["curve"], targets[seed]) for seed, run in runs.items()}
         seconds = {seed: None if s is None else elapsed_seconds(measured[method], s) for seed, s in steps.items()}
         reached = [s for s in seconds.values() if s is not None]
         table[method] = {
@@ -252,9 +258,10 @@ def parity(curves: dict, tolerance: float) -> dict[str, dict]:
 
 
 def load_curves(paths: list[str]) -> dict:
-    """The curves of several ``train`` runs of the same setting, restricted to the seeds every method has.
+    """The curves of several ``train`` runs of the same setting, merged by method and seed.
 
-    A run stopped early leaves its last seed to some methods only; pairing needs the same seeds.
+    Methods may have different seeds (a run stopped early, variants run on fewer seeds): every
+    comparison pairs a method with plain DDP on the seeds the method has, and says how many.
     """
     curves = json.loads(Path(paths[0]).read_text())
     for path in paths[1:]:
@@ -265,9 +272,10 @@ def load_curves(paths: list[str]) -> dict:
         for method, runs in more["runs"].items():
             for seed, run in runs.items():
                 curves["runs"].setdefault(method, {}).setdefault(seed, run)
-    common = set.intersection(*(set(runs) for runs in curves["runs"].values()))
-    curves["runs"] = {m: {s: run for s, run in runs.items() if s in common} for m, runs in curves["runs"].items()}
-    curves["seeds"] = sorted(int(s) for s in common)
+    missing = sorted(set().union(*(set(runs) for runs in curves["runs"].values())) - set(curves["runs"]["dense"]))
+    if missing:
+        raise ValueError(f"plain DDP has no run for seeds {missing}: nothing to pair those with")
+    curves["seeds"] = sorted(int(s) for s in curves["runs"]["dense"])
     return curves
 
 
@@ -279,18 +287,19 @@ def report(args: argparse.Namespace) -> int:
     network = json.loads(Path(args.network).read_text()) if args.network else None
     if network is not None:
         check_same_setting(curves, network)
-    console, out = Console(), {"parity": parity(curves, args.tolerance), "links": {}}
+    console, out = Console(width=170), {"parity": parity(curves, args.tolerance), "links": {}}
     dense_final = statistics.mean(finals(curves)["dense"].values())
-    targets = [dense_final - below for below in args.below]
+    targets = [dense_final - below for below in args.below]  # for the plot: the mean of the per-seed targets
     seeds = len(curves["seeds"])
 
     table = Table(title=f"{curves['model']} / MNIST, {curves['ranks']} ranks x {curves['batch']}, {curves['steps']} "
-                        f"steps, {seeds} seeds: final accuracy against plain DDP, paired by seed")  # fmt: skip
-    for column in ("method", "final acc % (mean +- sd)", "vs dense (points)", "95% interval", "verdict"):
+                        f"steps: final accuracy against plain DDP ({seeds} seeds), paired by seed")  # fmt: skip
+    for column in ("method", "seeds", "final acc % (mean +- sd)", "vs dense (points)", "95% interval", "verdict"):
         table.add_column(column, justify="left" if column in ("method", "verdict") else "right")
     for method, row in out["parity"].items():
         low, high = row["difference"] - row["half_width"], row["difference"] + row["half_width"]
-        table.add_row(method, f"{row['mean']:.2f} +- {row['stdev']:.2f}", f"{row['difference']:+.2f}",
+        table.add_row(method, str(row["seeds"]), f"{row['mean']:.2f} +- {row['stdev']:.2f}",
+                      f"{row['difference']:+.2f}",
                       f"[{low:+.2f}, {high:+.2f}]" if method != "dense" else "-",
                       f"{row['verdict']} (tolerance {args.tolerance})" if row["verdict"] else "")  # fmt: skip
     console.print(table)
@@ -299,22 +308,23 @@ def report(args: argparse.Namespace) -> int:
         return 0
 
     for rate in [r for r in network["rates"] if r != "none" or args.loopback]:
-        out["links"][rate] = {f"{t:.2f}": time_to_target(curves, network, rate, t) for t in targets}
+        out["links"][rate] = {f"{b}": time_to_target(curves, network, rate, dense_targets(curves, b))
+                              for b in args.below}  # fmt: skip
         table = Table(title=f"Time to accuracy, links shaped to {rate}: steps to target x s/step measured by "
-                            f"network.py; targets {', '.join(f'{t:.2f}%' for t in targets)} (dense final "
-                            f"{dense_final:.2f}% minus {', '.join(map(str, args.below))} points)")  # fmt: skip
+                            f"network.py; target: plain DDP's final accuracy with the same seed (mean "
+                            f"{dense_final:.2f}%) minus {' or '.join(map(str, args.below))} points")  # fmt: skip
         table.add_column("method", justify="left")
         table.add_column("s/step", justify="right")
-        for t in targets:
-            for column in (f"steps to {t:.2f}", f"s to {t:.2f}", "x dense"):
+        for b in args.below:
+            for column in (f"steps to -{b}", f"s to -{b}", "x dense"):
                 table.add_column(column, justify="right")
         table.add_column("final acc %", justify="right")
-        first = out["links"][rate][f"{targets[0]:.2f}"]
+        first = out["links"][rate][f"{args.below[0]}"]
         for method in first:
             cells = [method, f"{first[method]['seconds_per_step']:.3f}"]
-            for t in targets:
-                row = out["links"][rate][f"{t:.2f}"][method]
-                missed = f"{seeds - row['reached']}/{seeds} never"
+            for b in args.below:
+                row = out["links"][rate][f"{b}"][method]
+                missed = f"{len(row['steps']) - row['reached']}/{len(row['steps'])} never"
                 cells += [f"{row['mean_steps']:.0f}" if row["mean_steps"] is not None else missed,
                           f"{row['mean_seconds']:.1f}" if row["mean_seconds"] is not None else "-",
                           f"{row['speedup_vs_dense']:.2f}" if row["speedup_vs_dense"] else "-"]  # fmt: skip
@@ -391,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--curves", required=True, nargs="+", help="JSONs written by train (same setting)")
     r.add_argument("--network", help="the JSON written by network.py for the same model, batch and ranks")
     r.add_argument("--below", type=float, nargs="+", default=[0.5, 2.0],
-                   help="targets: points below plain DDP's mean final accuracy")  # fmt: skip
+                   help="targets: points below plain DDP's final accuracy with the same seed")  # fmt: skip
     r.add_argument("--tolerance", type=float, default=0.5, help="points of accuracy a method may lose")
     r.add_argument("--loopback", action="store_true", help="also report the unshaped links ('none')")
     r.add_argument("--png")

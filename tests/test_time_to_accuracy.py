@@ -41,7 +41,8 @@ def test_time_to_target_multiplies_steps_by_the_links_seconds_per_step() -> None
         "ddp_diana": {"0": {"curve": [(10, 95.0)]}, "1": {"curve": [(10, 10.0)]}},
         "not measured": {"0": {"curve": [(10, 95.0)]}},
     })  # fmt: skip
-    table = tta.time_to_target(curves, _network({"dense": 0.5, "ddp_topk": 0.1, "ddp_diana": 0.2}), "100mbit", 90.0)
+    network = _network({"dense": 0.5, "ddp_topk": 0.1, "ddp_diana": 0.2})
+    table = tta.time_to_target(curves, network, "100mbit", {"0": 90.0, "1": 90.0})
     assert set(table) == {"dense", "ddp_topk", "ddp_diana"}
     assert table["dense"]["steps"] == {"0": 20, "1": 10}
     assert table["dense"]["seconds"] == {"0": 10.0, "1": 5.0}
@@ -95,12 +96,12 @@ def test_a_tiny_run_reports_the_steps_and_seconds_its_curves_imply(tmp_path: Pat
     # reached by dense at its first evaluation, and by Top-k somewhere (accuracies lie on a 0.05 grid:
     # 0.01 below keeps the float arithmetic of dense_final - below from deciding)
     target = min(min(acc for _, acc in dense_curve), max(acc for _, acc in topk_curve)) - 0.01
-    below = dense_curve[-1][1] - target
+    below = round(dense_curve[-1][1] - target, 6)
     assert tta.main(["report", "--curves", str(curves_path), "--network", str(tmp_path / "network.json"),
                      "--below", str(below), "--json", str(out), "--png", str(png)]) == 0  # fmt: skip
     result = json.loads(out.read_text())
     (key,) = result["links"]["100mbit"]
-    assert float(key) == pytest.approx(target, abs=0.005)
+    assert float(key) == below  # the target of seed 0: dense's final accuracy with seed 0 minus below
     rows = result["links"]["100mbit"][key]
     assert rows["dense"]["steps"] == {"0": 10} and rows["dense"]["mean_seconds"] == 5.0
     topk_steps = next(step for step, acc in topk_curve if acc >= target)
@@ -119,3 +120,8 @@ def test_a_density_warmup_is_counted_at_its_own_measured_pace() -> None:
     assert tta.elapsed_seconds(steady, 50) == pytest.approx(5.0)
     assert tta.elapsed_seconds(warm, 4) == pytest.approx(4 * 0.3)  # inside the dense step + warm-up
     assert tta.elapsed_seconds(warm, 50) == pytest.approx(10 * 0.3 + 40 * 0.1)
+
+
+def test_each_seeds_target_is_set_by_its_own_dense_run() -> None:
+    curves = _curves({"dense": {"0": {"final": 98.0}, "1": {"final": 97.0}}})
+    assert tta.dense_targets(curves, 0.5) == {"0": 97.5, "1": 96.5}
