@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors import Entries, all_finite
+from lightning_gradcomp.compressors import Entries, SparseEntries, all_finite
 
 Sent = Tensor | Entries
 
@@ -216,8 +216,6 @@ _VELOCITY = "velocity:"
 
 def _zero_where_sent(velocity: Tensor, sent: Sent) -> None:
     """Momentum factor masking (Lin et al., 2018, Sec. 3.2): no velocity where entries were sent."""
-    from lightning_gradcomp.compressors import SparseEntries
-
     if isinstance(sent, SparseEntries):
         velocity.index_fill_(0, sent.indices, 0)
     elif isinstance(sent, Tensor):
