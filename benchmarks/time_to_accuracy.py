@@ -53,11 +53,11 @@ DEFAULT_TRAIN_METHODS = ",".join((DEFAULT_METHODS, *VARIANTS))
 
 def _mnist(data_dir: str, holdout: int) -> tuple[Any, Any]:
     """(train, validation) tensors: the first images of t10k for training, the last ``holdout`` for validation."""
-    from lightning_gradcomp.examples.mnist import load_mnist
+    from lightning_gradcomp.examples.mnist import MNISTDataModule
 
-    x, y = load_mnist(data_dir, "t10k").tensors
-    cut = len(x) - holdout
-    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+    data = MNISTDataModule(data_dir, train_split="t10k", holdout=holdout)
+    data.setup("fit")
+    return data.train_set.tensors, data.val_set.tensors
 
 
 def _batches(seed: int, n: int, global_batch: int, steps: int):

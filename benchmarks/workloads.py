@@ -14,16 +14,17 @@ def build_model(name: str, width: int = 512):
     """A fresh model ``name`` (``width`` sizes the ``mlp``), initialised from torch's current seed."""
     from torch import nn
 
-    if name == "mlp":
+    def mlp(inputs: int, width: int) -> nn.Module:
         return nn.Sequential(
-            nn.Flatten(), nn.Linear(3072, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+            nn.Flatten(), nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
         )
+
+    if name == "mlp":
+        return mlp(3072, width)
     if name == "lenet":
         from lightning_gradcomp.examples.models import LeNet5
 
         return LeNet5()
     if name == "mnist-mlp":
-        return nn.Sequential(
-            nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
-        )
+        return mlp(784, 1024)
     raise KeyError(f"unknown model {name!r}; choose from {list(MODELS)}")

@@ -175,9 +175,10 @@ class ErrorFeedback(Memory):
         if self.momentum:
             # the new velocity is what compensate_ added to the gradient: acc - old residual
             velocity = self._velocities[name]
-            velocity.copy_(compensated)
-            if residual is not None:
-                velocity.sub_(residual)
+            if residual is None:
+                velocity.copy_(compensated)
+            else:
+                torch.sub(compensated, residual, out=velocity)  # one pass
         if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
             residual = self._residuals[name] = torch.empty_like(compensated)  # allocated once
         residual.copy_(compensated)

@@ -88,9 +88,7 @@ def test_a_tiny_run_reports_the_steps_and_seconds_its_curves_imply(tmp_path: Pat
         curves["runs"]["ddp_topk"]["0"]["bytes_sent_per_step"] < curves["runs"]["ddp_topk"]["0"]["dense_bytes_per_step"]
     )
 
-    network = {"model": "lenet", "batch": 32, "ranks": 2,
-               "rates": {"100mbit": [{"method": "dense", "seconds_per_step": 0.5},
-                                     {"method": "ddp_topk", "seconds_per_step": 0.125}]}}  # fmt: skip
+    network = {**_network({"dense": 0.5, "ddp_topk": 0.125}), "ranks": 2}
     (tmp_path / "network.json").write_text(json.dumps(network))
     topk_curve = curves["runs"]["ddp_topk"]["0"]["curve"]
     # reached by dense at its first evaluation, and by Top-k somewhere (accuracies lie on a 0.05 grid:
