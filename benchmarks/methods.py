@@ -28,6 +28,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # DIANA with smaller quantizer blocks: omega = (sqrt(d) - 1) / 2 falls from 15.5 (1024) to 5.2 and 2.3
     "ddp_diana:block-128": ("ddp_diana", {"compressor_kwargs": {"block_size": 128}}),
     "ddp_diana:block-32": ("ddp_diana", {"compressor_kwargs": {"block_size": 32}}),
+    # the ATOMO preset before issue 14: compressed from step 2 on; and with a larger budget instead
+    # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting)
+    "ddp_atomo:no-dense-warmup": ("ddp_atomo", {"warmup_steps": 1}),
+    "ddp_atomo:no-dense-warmup-budget-8": ("ddp_atomo", {"warmup_steps": 1, "compressor_kwargs": {"budget": 8}}),
 }
 DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
 

@@ -53,10 +53,12 @@ class Result:
     bytes_sent_per_step: float | None
     dense_bytes_per_step: float | None
     bytes_received_per_step: float | None = None
-    #: the method's density warm-up (0: none) and the mean seconds of its first ``1 + steps`` steps
-    #: (the dense first step and the warm-up), timed before the steady state
+    #: the method's dense steps and density warm-up (0: none) and, when they make more than the one
+    #: dense first step, the mean seconds of those ``dense_steps + density_warmup_steps`` first steps,
+    #: timed before the steady state
     density_warmup_steps: int = 0
     warmup_seconds_per_step: float | None = None
+    dense_steps: int = 1
     note: str = ""
 
 
@@ -103,12 +105,14 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             return time.perf_counter() - start
 
-        # a density warm-up is timed on its own (the dense first step with it), then the steady state
+        # dense steps and a density warm-up are timed on their own, then the steady state
         density_warmup = hook.density_warmup.steps if hook is not None and hook.density_warmup is not None else 0
-        warmup_seconds = run(0, 1 + density_warmup) / (1 + density_warmup) if density_warmup else None
-        untimed = 0 if density_warmup else args.warmup
-        run(1 + density_warmup, untimed)
-        elapsed = run(1 + density_warmup + untimed, args.steps)
+        dense_steps = hook.warmup_steps if hook is not None else 1
+        early = dense_steps + density_warmup
+        warmup_seconds = run(0, early) / early if early > 1 else None
+        untimed = 0 if early > 1 else args.warmup
+        run(early, untimed)
+        elapsed = run(early + untimed, args.steps)
         if rank == 0:
             print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
         timed = [s for s in hook.history if s.compressed][-args.steps :] if hook is not None else []
@@ -122,6 +126,7 @@ def worker(args: argparse.Namespace) -> None:
                 bytes_received_per_step=sum(s.bytes_received for s in timed) / len(timed) if timed else None,
                 density_warmup_steps=density_warmup,
                 warmup_seconds_per_step=warmup_seconds,
+                dense_steps=dense_steps,
             )
         )
     if rank == 0:

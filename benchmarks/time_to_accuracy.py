@@ -176,10 +176,11 @@ def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None
 def elapsed_seconds(measured: dict, steps: int) -> float:
     """Wall-clock seconds of a method's first ``steps`` steps from network.py's row ``measured``.
 
-    ``steps * s/step``, except that a method with a density warm-up spends its first ``1 + W``
-    steps (the dense first step and the warm-up, which send more) at their own measured mean.
+    ``steps * s/step``, except that a method with dense steps or a density warm-up spends its first
+    ``D + W`` steps (``D`` dense, then the warm-up; they send more) at their own measured mean.
     """
-    phase = 1 + measured.get("density_warmup_steps", 0) if measured.get("warmup_seconds_per_step") else 0
+    early = measured.get("dense_steps", 1) + measured.get("density_warmup_steps", 0)
+    phase = early if measured.get("warmup_seconds_per_step") else 0
     early = min(steps, phase)
     return early * (measured.get("warmup_seconds_per_step") or 0.0) + (steps - early) * measured["seconds_per_step"]
 
@@ -199,10 +200,21 @@ def check_same_setting(curves: dict, network: dict) -> None:
             )
 
 
-def dense_targets(curves: dict, below: float) -> dict[str, float]:
+def final_accuracy(curve: list[tuple[int, float]], window: int) -> float:
+    """The mean validation accuracy of the evaluations in the last ``window`` steps (the last one at least).
+
+    At a constant learning rate the last iterate's accuracy swings between evaluations (plain DDP's
+    LeNet-5 by up to a point from one evaluation to the next); the mean over the run's end measures
+    where a method has converged to, not where its last step happened to land.
+    """
+    last = curve[-1][0]
+    return statistics.mean(accuracy for step, accuracy in curve if step > last - window or step == last)
+
+
+def dense_targets(curves: dict, below: float, window: int = 0) -> dict[str, float]:
     """``seed -> plain DDP's final accuracy with that seed minus below``: each seed's target is set by
-    the dense run it is paired with, so plain DDP reaches every one of its targets."""
-    return {seed: run["final"] - below for seed, run in curves["runs"]["dense"].items()}
+    the dense run it is paired with."""
+    return {seed: final_accuracy(run["curve"], window) - below for seed, run in curves["runs"]["dense"].items()}
 
 
 def time_to_target(curves: dict, network: dict, rate: str, targets: dict[str, float]) -> dict[str, dict]:
@@ -234,14 +246,15 @@ def time_to_target(curves: dict, network: dict, rate: str, targets: dict[str, fl
     return table
 
 
-def finals(curves: dict) -> dict[str, dict[int, float]]:
-    """``method -> {seed: final validation accuracy}``."""
-    return {m: {int(s): run["final"] for s, run in runs.items()} for m, runs in curves["runs"].items()}
+def finals(curves: dict, window: int = 0) -> dict[str, dict[int, float]]:
+    """``method -> {seed: final validation accuracy}`` (:func:`final_accuracy` over ``window`` steps)."""
+    return {m: {int(s): final_accuracy(run["curve"], window) for s, run in runs.items()}
+            for m, runs in curves["runs"].items()}  # fmt: skip
 
 
-def parity(curves: dict, tolerance: float) -> dict[str, dict]:
+def parity(curves: dict, tolerance: float, window: int = 0) -> dict[str, dict]:
     """Final accuracy of every method against plain DDP's, paired by seed, with the 95% interval and verdict."""
-    accuracy = finals(curves)
+    accuracy = finals(curves, window)
     rows = {}
     for method, by_seed in accuracy.items():
         values = list(by_seed.values())
@@ -287,13 +300,15 @@ def report(args: argparse.Namespace) -> int:
     network = json.loads(Path(args.network).read_text()) if args.network else None
     if network is not None:
         check_same_setting(curves, network)
-    console, out = Console(width=170), {"parity": parity(curves, args.tolerance), "links": {}}
-    dense_final = statistics.mean(finals(curves)["dense"].values())
+    window = args.final_window
+    console, out = Console(width=170), {"parity": parity(curves, args.tolerance, window), "links": {}}
+    dense_final = statistics.mean(finals(curves, window)["dense"].values())
     targets = [dense_final - below for below in args.below]  # for the plot: the mean of the per-seed targets
     seeds = len(curves["seeds"])
 
     table = Table(title=f"{curves['model']} / MNIST, {curves['ranks']} ranks x {curves['batch']}, {curves['steps']} "
-                        f"steps: final accuracy against plain DDP ({seeds} seeds), paired by seed")  # fmt: skip
+                        f"steps: final accuracy (mean over the last {window} steps) against plain DDP "
+                        f"({seeds} seeds), paired by seed")  # fmt: skip
     for column in ("method", "seeds", "final acc % (mean +- sd)", "vs dense (points)", "95% interval", "verdict"):
         table.add_column(column, justify="left" if column in ("method", "verdict") else "right")
     for method, row in out["parity"].items():
@@ -308,7 +323,7 @@ def report(args: argparse.Namespace) -> int:
         return 0
 
     for rate in [r for r in network["rates"] if r != "none" or args.loopback]:
-        out["links"][rate] = {f"{b}": time_to_target(curves, network, rate, dense_targets(curves, b))
+        out["links"][rate] = {f"{b}": time_to_target(curves, network, rate, dense_targets(curves, b, window))
                               for b in args.below}  # fmt: skip
         table = Table(title=f"Time to accuracy, links shaped to {rate}: steps to target x s/step measured by "
                             f"network.py; target: plain DDP's final accuracy with the same seed (mean "
@@ -403,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--below", type=float, nargs="+", default=[0.5, 2.0],
                    help="targets: points below plain DDP's final accuracy with the same seed")  # fmt: skip
     r.add_argument("--tolerance", type=float, default=0.5, help="points of accuracy a method may lose")
+    r.add_argument("--final-window", type=int, default=200,
+                   help="final accuracy: mean of the evaluations in the last N steps (0: the last one)")  # fmt: skip
     r.add_argument("--loopback", action="store_true", help="also report the unshaped links ('none')")
     r.add_argument("--png")
     r.add_argument("--json")
@@ -413,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model not in MODELS:
             parser.error(f"--model must be one of {list(MODELS)}")
         return train(args)
+    if args.final_window < 0:
+        parser.error(f"--final-window must be >= 0 steps, got {args.final_window}")
     return report(args)
 
 

@@ -42,6 +42,13 @@ _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "
 #: Compressed steps of the Top-k family's density warm-up in the presets (see :mod:`lightning_gradcomp.schedule`).
 PRESET_DENSITY_WARMUP_STEPS = 200
 
+#: Dense steps before ATOMO's first compressed one in its preset: at lr 0.05 / momentum 0.9 LeNet-5's
+#: first ~50 steps are on the edge of stability (plain DDP itself dips to 11% accuracy with one seed),
+#: and budget-3 atoms, unbiased but with a variance many times the gradient's, tip them over (2 of 4
+#: seeds diverged from step 40 on; benchmarks/README.md, "Time to accuracy"). PyTorch's PowerSGD hook
+#: starts dense for the same reason (``start_powerSGD_iter``).
+PRESET_ATOMO_DENSE_STEPS = 100
+
 #: What every compressed preset shares: the logits layer stays dense (TernGrad's authors' practice;
 #: it is small and its gradient is the one every class's error flows through).
 _LAST_LAYER_DENSE = {"keep_last_layer_dense": True}
@@ -54,9 +61,15 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"compressor": "none", "memory": "none", "aggregator": "allreduce"},
     ),
     "ddp_atomo": (
-        "Spectral ATOMO: unbiased sampling of rank-1 SVD atoms (budget 3), allgather of variable-size payloads, "
-        "last layer dense",
-        {"compressor": "atomo", "memory": "none", "aggregator": "allgather", **_LAST_LAYER_DENSE},
+        "Spectral ATOMO: unbiased sampling of rank-1 SVD atoms (budget 3), allgather of variable-size payloads; "
+        f"{PRESET_ATOMO_DENSE_STEPS} dense steps first, last layer dense",
+        {
+            "compressor": "atomo",
+            "memory": "none",
+            "aggregator": "allgather",
+            "warmup_steps": PRESET_ATOMO_DENSE_STEPS,
+            **_LAST_LAYER_DENSE,
+        },
     ),
     "ddp_diana": (
         "DIANA: compressed gradient differences with per-rank shifts, block inf-norm 2-bit quantizer, last layer dense",

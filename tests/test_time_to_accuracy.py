@@ -96,7 +96,8 @@ def test_a_tiny_run_reports_the_steps_and_seconds_its_curves_imply(tmp_path: Pat
     target = min(min(acc for _, acc in dense_curve), max(acc for _, acc in topk_curve)) - 0.01
     below = round(dense_curve[-1][1] - target, 6)
     assert tta.main(["report", "--curves", str(curves_path), "--network", str(tmp_path / "network.json"),
-                     "--below", str(below), "--json", str(out), "--png", str(png)]) == 0  # fmt: skip
+                     "--below", str(below), "--final-window", "0",
+                     "--json", str(out), "--png", str(png)]) == 0  # fmt: skip
     result = json.loads(out.read_text())
     (key,) = result["links"]["100mbit"]
     assert float(key) == below  # the target of seed 0: dense's final accuracy with seed 0 minus below
@@ -118,8 +119,22 @@ def test_a_density_warmup_is_counted_at_its_own_measured_pace() -> None:
     assert tta.elapsed_seconds(steady, 50) == pytest.approx(5.0)
     assert tta.elapsed_seconds(warm, 4) == pytest.approx(4 * 0.3)  # inside the dense step + warm-up
     assert tta.elapsed_seconds(warm, 50) == pytest.approx(10 * 0.3 + 40 * 0.1)
+    # ATOMO's preset: 100 dense steps first, no density warm-up
+    dense_first = {"seconds_per_step": 0.1, "dense_steps": 100, "warmup_seconds_per_step": 0.4}
+    assert tta.elapsed_seconds(dense_first, 150) == pytest.approx(100 * 0.4 + 50 * 0.1)
 
 
 def test_each_seeds_target_is_set_by_its_own_dense_run() -> None:
-    curves = _curves({"dense": {"0": {"final": 98.0}, "1": {"final": 97.0}}})
+    curves = _curves({"dense": {"0": {"curve": [(10, 90.0), (20, 98.0)]}, "1": {"curve": [(10, 99.0), (20, 97.0)]}}})
     assert tta.dense_targets(curves, 0.5) == {"0": 97.5, "1": 96.5}
+    assert tta.dense_targets(curves, 0.5, window=20) == {"0": 93.5, "1": 97.5}
+
+
+def test_final_accuracy_is_the_mean_over_the_last_steps() -> None:
+    curve = [(20, 90.0), (40, 97.0), (60, 99.0), (80, 98.0)]
+    assert tta.final_accuracy(curve, 0) == 98.0  # the last evaluation only
+    assert tta.final_accuracy(curve, 20) == 98.0  # steps 61..80
+    assert tta.final_accuracy(curve, 40) == 98.5  # steps 41..80: 60 and 80
+    assert tta.final_accuracy(curve, 1000) == 96.0
+    curves = _curves({"dense": {"0": {"curve": curve}}, "ddp_topk": {"0": {"curve": [(20, 80.0), (80, 97.0)]}}})
+    assert tta.parity(curves, 0.5, window=40)["ddp_topk"]["difference"] == pytest.approx(97.0 - 98.5)
