@@ -10,6 +10,7 @@ from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
+from lightning_gradcomp.compressors.randomk import RandomKCompressor
 from lightning_gradcomp.compressors.sparse import SparseEntries, SparsePayload
 from lightning_gradcomp.compressors.ternary import TernaryPayload, TernarySlice
 from lightning_gradcomp.compressors.terngrad import TernGradCompressor
@@ -22,6 +23,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         TopKCompressor,
         GaussianKCompressor,
         DGCCompressor,
+        RandomKCompressor,
         TernGradCompressor,
         BlockQuantizer,
         AtomoCompressor,
@@ -58,6 +60,7 @@ __all__ = [
     "GaussianKCompressor",
     "IdentityCompressor",
     "Payload",
+    "RandomKCompressor",
     "SparseEntries",
     "SparsePayload",
     "TernGradCompressor",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Entries, Payload, all_finite
+from lightning_gradcomp.compressors.base import Compressor, Entries, Payload, all_finite
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 _INT32_LIMIT = 2**31 - 1
@@ -149,3 +150,38 @@ class SparseEntries:
 def dense_of(entries: Tensor | Entries) -> Tensor:
     """The dense flat tensor of ``entries``, whether they are kept encoded or already dense."""
     return entries if isinstance(entries, Tensor) else entries.to_dense()
+
+
+def validate_density(density: float) -> float:
+    """Return ``density`` as a float, or raise ``ValueError`` unless it lies in (0, 1]."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < density <= 1.0):
+        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+    if not math.isfinite(density):
+        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+    return float(density)
+
+
+def k_for(numel: int, density: float) -> int:
+    """Entries to keep: ``max(1, int(density * numel))`` (the authors' rule), never above ``numel``."""
+    if numel == 0:
+        return 0
+    return min(numel, max(1, int(density * numel)))
+
+
+class FixedKSparsifier(Compressor):
+    """The wire side of a compressor that sends exactly ``k_for(d, density)`` entries as a :class:`SparsePayload`
+    (Top-k, random-k): a payload's size follows from the tensor's, so the allgather needs no size exchange."""
+
+    sparse = True
+    density: float
+
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
+        return SparsePayload.from_bytes(buffer, shape, dtype)
+
+    def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
+        assert isinstance(payload, SparsePayload)
+        return payload.accumulate(out)
+
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        numel = shape.numel()
+        return k_for(numel, self.density) * (itemsize(index_dtype(numel)) + itemsize(dtype))

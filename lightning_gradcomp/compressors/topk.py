@@ -8,28 +8,11 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
-from lightning_gradcomp.compressors.sparse import SparsePayload, index_dtype, itemsize
+from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for, validate_density
 
 
-def validate_density(density: float) -> float:
-    """Return ``density`` as a float, or raise ``ValueError`` unless it lies in (0, 1]."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < density <= 1.0):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-    if not math.isfinite(density):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-    return float(density)
-
-
-def k_for(numel: int, density: float) -> int:
-    """Entries to keep: ``max(1, int(density * numel))`` (the authors' rule), never above ``numel``."""
-    if numel == 0:
-        return 0
-    return min(numel, max(1, int(density * numel)))
-
-
-class TopKCompressor(Compressor):
+class TopKCompressor(FixedKSparsifier):
     """Keeps exactly the ``k = max(1, int(density * d))`` entries of largest magnitude.
 
     Biased (a contraction: ``||x - C(x)||^2 <= (1 - k/d) ||x||^2``); pair it with error feedback
@@ -57,7 +40,6 @@ class TopKCompressor(Compressor):
 
     name = "topk"
     unbiased = False
-    sparse = True
     #: fraction of entries sampled for the threshold, the smallest sample, and the rank margin in
     #: binomial standard deviations (the ``dgc`` compressor makes them arguments)
     sample_ratio: float = 0.01
@@ -118,14 +100,3 @@ class TopKCompressor(Compressor):
         flat = x.reshape(-1)
         indices = self.select(flat, generator)
         return SparsePayload(indices, flat[indices], x.shape)
-
-    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
-        return SparsePayload.from_bytes(buffer, shape, dtype)
-
-    def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
-        assert isinstance(payload, SparsePayload)
-        return payload.accumulate(out)
-
-    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
-        numel = shape.numel()
-        return k_for(numel, self.density) * (itemsize(index_dtype(numel)) + itemsize(dtype))

@@ -1,0 +1,72 @@
+"""random-k sparsification: ``k`` coordinates drawn uniformly without replacement.
+
+Two uses, one selection:
+
+* ``scaled=True`` (default): the kept values are multiplied by ``d / k``, an unbiased estimator
+  (Wangni et al., "Gradient Sparsification for Communication-Efficient Distributed Optimization",
+  NeurIPS 2018, with uniform probabilities). Each coordinate is kept with probability ``k / d``,
+  so ``E||C(x) - x||^2 = (d / k - 1) ||x||^2`` exactly: :meth:`RandomKCompressor.omega`, which
+  lets DIANA (``memory="diana"``) take its shift step from it.
+* ``scaled=False``: the kept values as they are, a contraction
+  (``E||x - C(x)||^2 = (1 - k/d) ||x||^2``) meant for error feedback (Stich, Cordonnier, Jaggi,
+  "Sparsified SGD with Memory", NeurIPS 2018, ``rand_k``).
+
+The coordinates come from the unit's own random stream, so every rank draws its own and payloads
+are merged by the allgather (``k`` indices and values each).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for, validate_density
+
+
+def validate_scaled(scaled: bool) -> bool:
+    """``scaled`` as a bool; ``ValueError`` unless it is one."""
+    if not isinstance(scaled, bool):
+        raise ValueError(f"scaled must be True (unbiased, values x d/k) or False (for error feedback), got {scaled!r}")
+    return scaled
+
+
+class RandomKCompressor(FixedKSparsifier):
+    """Keeps ``k = max(1, int(density * d))`` coordinates drawn uniformly without replacement.
+
+    Args:
+        density: the fraction ``k / d`` of coordinates kept, in (0, 1].
+        scaled: multiply the kept values by ``d / k`` (unbiased; variance ``(d/k - 1) ||x||^2``), or
+            send them as they are (biased, for ``memory="ef"``).
+    """
+
+    name = "randomk"
+
+    def __init__(self, density: float = 0.01, scaled: bool = True) -> None:
+        self.density = validate_density(density)
+        self.scaled = validate_scaled(scaled)
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.scaled
+
+    @property
+    def bias_reason(self) -> str | None:
+        return None if self.scaled else "scaled=False sends the kept values unscaled (for error feedback)"
+
+    def omega(self, numel: int) -> float:
+        """Variance bound of the scaled estimator: ``E||C(x) - x||^2 = (d/k - 1) ||x||^2`` (equality)."""
+        if numel <= 0:
+            return 0.0
+        return numel / k_for(numel, self.density) - 1.0
+
+    def compress(
+        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+    ) -> SparsePayload:
+        flat = x.reshape(-1)
+        d = flat.numel()
+        k = k_for(d, self.density)
+        indices = torch.randperm(d, generator=generator, device=flat.device)[:k]
+        values = flat[indices]
+        if self.scaled and k < d:
+            values = values * (d / k)
+        return SparsePayload(indices, values, x.shape)
