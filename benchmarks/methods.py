@@ -13,7 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 #: The named strategies, as registered.
-OURS = ("ddp_gradcomp_dense", "ddp_terngrad", "ddp_topk", "ddp_gaussiank", "ddp_gtopk", "ddp_diana", "ddp_atomo")
+OURS = (
+    "ddp_gradcomp_dense",
+    "ddp_terngrad",
+    "ddp_topk",
+    "ddp_gaussiank",
+    "ddp_gtopk",
+    "ddp_diana",
+    "ddp_atomo",
+    "ddp_efsign",
+)
 TORCH_METHODS = ("dense", "fp16", "powersgd")
 #: ``name -> (named strategy, arguments that replace the preset's)``.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -75,6 +75,11 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         "DIANA: compressed gradient differences with per-rank shifts, block inf-norm 2-bit quantizer, last layer dense",
         {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather", **_LAST_LAYER_DENSE},
     ),
+    "ddp_efsign": (
+        "EF-SignSGD: scaled signs (1 bit per element, one scale per layer) with error feedback, allgather of "
+        "the averaged scaled signs; last layer dense",
+        {"compressor": "sign", "memory": "ef", "aggregator": "allgather", **_LAST_LAYER_DENSE},
+    ),
     "ddp_gaussiank": (
         "Gaussian_k: O(d) threshold selection with error feedback, k/2 to k entries in k fixed slots, allgather; "
         "density warm-up, last layer dense",

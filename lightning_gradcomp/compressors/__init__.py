@@ -11,6 +11,7 @@ from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.randomk import RandomKCompressor
+from lightning_gradcomp.compressors.sign import ScaledSignCompressor, SignPayload
 from lightning_gradcomp.compressors.sparse import SparseEntries, SparsePayload
 from lightning_gradcomp.compressors.ternary import TernaryPayload, TernarySlice
 from lightning_gradcomp.compressors.terngrad import TernGradCompressor
@@ -24,6 +25,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         GaussianKCompressor,
         DGCCompressor,
         RandomKCompressor,
+        ScaledSignCompressor,
         TernGradCompressor,
         BlockQuantizer,
         AtomoCompressor,
@@ -61,6 +63,8 @@ __all__ = [
     "IdentityCompressor",
     "Payload",
     "RandomKCompressor",
+    "ScaledSignCompressor",
+    "SignPayload",
     "SparseEntries",
     "SparsePayload",
     "TernGradCompressor",

@@ -1,0 +1,113 @@
+"""EF-SignSGD's scaled sign: bit packing, the exact compressed value and contraction, the wire size,
+arguments; on real ranks the error-feedback invariant and identical ranks (resume: test_resume.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ranks import run_ranks_once
+from test_hook import _make_hook, _train
+
+from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp.compressors import ScaledSignCompressor, SignPayload
+from lightning_gradcomp.compressors.sign import pack_bits, unpack_bits
+from lightning_gradcomp.memory import ErrorFeedback
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1001])
+def test_bits_pack_eight_per_byte_and_come_back(numel: int) -> None:
+    bits = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
+    packed = pack_bits(bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(numel / 8)
+    assert torch.equal(unpack_bits(packed, numel), bits)
+    # least significant bit first: element 0 is bit 0 of byte 0
+    assert int(packed[0]) & 1 == int(bits[0])
+
+
+def test_sends_the_mean_magnitude_times_the_sign() -> None:
+    x = torch.randn(37, 11, generator=torch.Generator().manual_seed(0))
+    x.view(-1)[5] = 0.0  # sign(0) goes out as +
+    compressor = ScaledSignCompressor()
+    decoded = compressor.decompress(compressor.compress(x))
+    scale = x.abs().sum() / x.numel()
+    assert torch.equal(decoded, torch.where(x.reshape(-1) >= 0, scale, -scale))
+    assert decoded.dtype == x.dtype
+    half = x.to(torch.bfloat16)
+    assert compressor.decompress(compressor.compress(half)).dtype == torch.bfloat16
+
+
+def test_is_the_contraction_of_karimireddy_et_al() -> None:
+    x = torch.randn(500, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    compressor = ScaledSignCompressor()
+    error = (compressor.decompress(compressor.compress(x)) - x).pow(2).sum()
+    # ||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / d (scale in float32: agreement to its precision)
+    expected = x.pow(2).sum() - x.abs().sum() ** 2 / x.numel()
+    assert float(error) == pytest.approx(float(expected), rel=1e-6)
+    assert float(error) < (1 - 1 / x.numel()) * float(x.pow(2).sum())
+    assert not compressor.unbiased and "error feedback" in compressor.bias_reason
+
+
+def test_wire_is_a_scale_and_one_bit_per_element() -> None:
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(2))
+    compressor = ScaledSignCompressor()
+    payload = compressor.compress(x)
+    wire = payload.to_bytes()
+    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, x.dtype) == 4 + 126
+    back = compressor.unpack(wire, x.shape, x.dtype)
+    assert isinstance(back, SignPayload)
+    assert torch.equal(compressor.decompress(back), compressor.decompress(payload))
+    with pytest.raises(ValueError, match="sign payload of 129 bytes, expected 130"):
+        compressor.unpack(wire[:-1], x.shape, x.dtype)
+
+
+def test_the_preset_and_diana_refusing_it() -> None:
+    description, params = NAMED_STRATEGIES["ddp_efsign"]
+    assert params["compressor"] == "sign" and params["memory"] == "ef" and "1 bit" in description
+    with pytest.raises(ValueError, match="a scaled sign keeps only the mean magnitude"):
+        GradCompStrategy(compressor="sign", memory="diana")
+
+
+class _Recording(ErrorFeedback):
+    """Error feedback that keeps what it took in and gave back, per unit and step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[dict] = []
+
+    def compensate_(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        old = self.residual(name)
+        entry = {"name": name, "grad": x.clone(), "old": None if old is None else old.clone()}
+        acc = super().compensate_(name, x)
+        self.log.append({**entry, "acc": acc.clone()})
+        return acc
+
+    def update(self, name, compensated, sent, mean, unit_numel=None) -> None:
+        super().update(name, compensated, sent, mean, unit_numel)
+        entry = next(e for e in reversed(self.log) if e["name"] == name)
+        entry.update(sent=sent.clone(), new=self.residual(name).clone())
+
+
+def _efsign(rank: int, world_size: int) -> dict:
+    memory = _Recording()
+    model, hook = _train(rank, world_size, _make_hook(ScaledSignCompressor(), memory, "layer", warmup=1))
+    return {"log": memory.log, "weights": model.state_dict(), "history": list(hook.history)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_on_real_ranks_error_feedback_is_exact_and_ranks_agree(world_size: int) -> None:
+    results = run_ranks_once(_efsign, world_size)
+    for r in results:
+        assert {e["name"] for e in r["log"]} == {"0.weight", "2.weight"}
+        for e in r["log"]:
+            old = torch.zeros_like(e["grad"]) if e["old"] is None else e["old"]
+            assert torch.equal(e["acc"], e["grad"] + old)
+            assert torch.equal(e["new"], e["acc"] - e["sent"])  # residual = what was not sent, exactly
+            assert e["sent"].abs().unique().numel() == 1  # one magnitude: the scale
+        for s in r["history"][1:]:
+            # compressed payloads: 4 + 2048/8 and 4 + 256/8 bytes for the weights (fp32: 9,216 bytes)
+            assert s.payload_bytes == (4 + 256) + (4 + 32)
+    for r in results[1:]:
+        for name, value in r["weights"].items():
+            assert torch.equal(value, results[0]["weights"][name]), name
