@@ -46,7 +46,8 @@ PRESET_DENSITY_WARMUP_STEPS = 200
 #: first ~50 steps are on the edge of stability (plain DDP itself dips to 11% accuracy with one seed),
 #: and budget-3 atoms, unbiased but with a variance many times the gradient's, tip them over (2 of 4
 #: seeds diverged from step 40 on; benchmarks/README.md, "Time to accuracy"). PyTorch's PowerSGD hook
-#: starts dense for the same reason (``start_powerSGD_iter``).
+#: starts dense for the same reason (``start_powerSGD_iter``). It saved those seeds, not every seed:
+#: 2 of 8 still diverged after it.
 PRESET_ATOMO_DENSE_STEPS = 100
 
 #: What every compressed preset shares: the logits layer stays dense (TernGrad's authors' practice;
