@@ -204,7 +204,7 @@ def final_accuracy(curve: list[tuple[int, float]], window: int) -> float:
     """The mean validation accuracy of the evaluations in the last ``window`` steps (the last one at least).
 
     At a constant learning rate the last iterate's accuracy swings between evaluations (plain DDP's
-    LeNet-5 by up to a point from one evaluation to the next); the mean over the run's end measures
+    LeNet-5, seed 0: 98.25, 97.60, 98.30 at steps 460-500); the mean over the run's end measures
     where a method has converged to, not where its last step happened to land.
     """
     last = curve[-1][0]
