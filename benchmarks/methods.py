@@ -22,6 +22,7 @@ OURS = (
     "ddp_diana",
     "ddp_atomo",
     "ddp_efsign",
+    "ddp_powersgd",
 )
 TORCH_METHODS = ("dense", "fp16", "powersgd")
 #: ``name -> (named strategy, arguments that replace the preset's)``.
@@ -41,6 +42,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting)
     "ddp_atomo:no-dense-warmup": ("ddp_atomo", {"warmup_steps": 1}),
     "ddp_atomo:no-dense-warmup-budget-8": ("ddp_atomo", {"warmup_steps": 1, "compressor_kwargs": {"budget": 8}}),
+    # PowerSGD compressed from step 2 on, as the PyTorch peer here is (start_powerSGD_iter=2): for timing side by side
+    "ddp_powersgd:start-2": ("ddp_powersgd", {"warmup_steps": 2}),
 }
 DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
 

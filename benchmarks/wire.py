@@ -4,13 +4,15 @@ For P = 2, 4, 8 real gloo ranks and the parameter shapes of ResNet-20 and AlexNe
 variants), each named strategy's hook is built exactly as ``GradCompStrategy`` builds it
 (``strategy.build_hook``) on a DistributedDataParallel model; a few backward passes later the
 hook's ``StepStats`` give the bytes this rank handed to collectives (sent) and got back
-(received). Next to them: the dense figure (what plain DDP hands to allreduce) and the
-information limit of what was sent:
+(received), for the preset after its warm-ups (dense first steps, density warm-up). Next to
+them: the dense figure (what plain DDP hands to allreduce) and the information limit of what
+was sent:
 
 * sparse payloads: ``k * (32 + log2 d)`` bits per unit of ``d`` elements with ``k`` entries;
+* scaled signs: one bit per element plus one fp32 scale per unit;
 * ternary codes (TernGrad, the quantizer): ``log2(3)`` bits per element plus one fp32 scale per
   unit (per block for the quantizer);
-* ATOMO: its payload (floats have no smaller description here);
+* ATOMO and PowerSGD: their payloads (floats have no smaller description here);
 * parameters left dense: 32 bits per element.
 
     python benchmarks/wire.py --json results/wire.json
@@ -48,6 +50,8 @@ def information_limit_bits(stats: StepStats, strategy: GradCompStrategy) -> floa
             bits += layer.selected * (32 + math.log2(layer.numel))
         elif name == "terngrad":
             bits += layer.numel * math.log2(3) + 32
+        elif name == "sign":
+            bits += layer.numel + 32
         elif name == "quantizer":
             block = strategy.compressor.block_size or layer.numel
             bits += layer.numel * math.log2(3) + 32 * math.ceil(layer.numel / block)
@@ -62,7 +66,9 @@ def _measure(model_name: str, strategy_name: str, world: int, steps: int) -> dic
     ddp = DistributedDataParallel(model)
     strategy = None
     if strategy_name != "ddp":
-        strategy = GradCompStrategy(**NAMED_STRATEGIES[strategy_name][1])
+        # the preset after its warm-ups (dense first steps, density warm-up): what its compressed steps send
+        after_warmups = {"warmup_steps": 1, "density_warmup_steps": 0}
+        strategy = GradCompStrategy(**{**NAMED_STRATEGIES[strategy_name][1], **after_warmups})
         hook = strategy.build_hook(model)
         hook.track_layers = True
         ddp.register_comm_hook(hook, gradcomp_comm_hook)

@@ -13,14 +13,18 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
    (``grad + residual`` under error feedback, ``grad - h_i`` under DIANA).
 3. Units whose compressor shares a scale agree on it with one MAX allreduce.
 4. Each compressed unit is compressed with its own random stream, a pure function of
-   (seed, rank, step, unit) (:mod:`lightning_gradcomp.randomness`).
+   (seed, rank, step, unit) (:mod:`lightning_gradcomp.randomness`), and with its warm start
+   when the compressor carries one from step to step (PowerSGD's ``Q``,
+   :mod:`lightning_gradcomp.warm_start`).
 5. All units completed by this bucket are aggregated in one go (one collective, plus a size
    exchange when sizes vary across ranks); a float sum gets a collective of its own, so its
    summation order is fixed by its unit, not by which units happen to travel with it. The
    aggregation is *launched* (:meth:`~lightning_gradcomp.comm.Aggregator.start`): its last
    collective runs on while the backward pass computes the next bucket, and it lands at the next
-   bucket's call (every launched one at the last bucket's). Every collective is issued from the
-   hook, in bucket order, so every rank issues the same ones in the same order.
+   bucket's call (every launched one at the last bucket's). A summable form of several rounds
+   (PowerSGD's ``P`` then ``Q``) launches its later rounds as it lands. Every collective is
+   issued from the hook, launches and landings in bucket order, so every rank issues the same
+   ones in the same order.
 6. When it lands, the memory turns the average into the gradient estimate, written straight into
    the bucket, and moves on with what was sent (:meth:`~lightning_gradcomp.memory.Memory.finish_`);
    every bucket whose units are all done has its future completed.
@@ -52,6 +56,7 @@ from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
+from lightning_gradcomp.warm_start import WarmStarts
 
 __all__ = ["GRANULARITIES", "Capture", "GradCompHook", "LayerStats", "StepStats", "gradcomp_comm_hook"]
 
@@ -189,6 +194,7 @@ class GradCompHook:
         self.world_size = self.collectives.world_size
         self.rank = self.collectives.rank
         self.streams = UnitStreams(seed, self.rank)
+        self.warm_starts = WarmStarts(compressor, self.streams)
         self.step = 0
         self.calls = 0
         self.history: deque[StepStats] = deque(maxlen=history)
@@ -228,12 +234,14 @@ class GradCompHook:
         return self.step >= self.warmup_steps
 
     def state_dict(self) -> dict:
-        """What must survive a restart besides the memory: the step counter (random streams derive from it)."""
-        return {"step": self.step}
+        """What must survive a restart besides the memory: the step counter (random streams derive from it)
+        and the compressor's warm starts."""
+        return {"step": self.step, "warm_starts": self.warm_starts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (generator states of older checkpoints are not needed)."""
         self.step = int(state["step"])
+        self.warm_starts.load_state_dict(state.get("warm_starts", {}))
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         """Average ``bucket`` across ranks (compressed after the warm-up): a future of the bucket's buffer.
@@ -304,7 +312,8 @@ class GradCompHook:
         for (unit, _), x in zip(ready, tensors, strict=True):
             if unit.compressed:
                 generator = self.streams.generator(x.device, self.step, unit.key)
-                payload = self.compressor.compress(x, generator, **scales.get(unit.index, {}))
+                extra = {**scales.get(unit.index, {}), **self.warm_starts.arguments(unit, x)}
+                payload = self.compressor.compress(x, generator, **extra)
                 # the average is decoded into a buffer kept per unit: no allocation per step
                 target = partial(self._kept, self._means, unit, x)
                 contributions.append(Contribution(self.compressor, payload, target))

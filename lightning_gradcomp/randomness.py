@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 _MASK64 = (1 << 64) - 1
+#: The "rank" of streams every rank draws alike (no real rank is 2**64 - 1).
+SHARED = _MASK64
 
 
 def _splitmix64(z: int) -> int:
@@ -47,3 +49,9 @@ class UnitStreams:
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device)
         return generator.manual_seed(stream_seed(self.seed, self.rank, step, key))
+
+    def shared(self, device: torch.device, key: int) -> torch.Generator:
+        """A generator for unit ``key`` seeded alike on every rank, from the seed and the key alone
+        (for state every rank must start with the same: PowerSGD's initial ``Q``)."""
+        generator = torch.Generator(device=device)
+        return generator.manual_seed(stream_seed(self.seed, SHARED, 0, key))

@@ -50,6 +50,10 @@ PRESET_DENSITY_WARMUP_STEPS = 200
 #: 2 of 8 still diverged after it.
 PRESET_ATOMO_DENSE_STEPS = 100
 
+#: Dense steps before PowerSGD's first compressed one in its preset: PyTorch's ``start_powerSGD_iter``,
+#: which its documentation suggests setting to about 10% of training (1000 by default there).
+PRESET_POWERSGD_DENSE_STEPS = 100
+
 #: What every compressed preset shares: the logits layer stays dense (TernGrad's authors' practice;
 #: it is small and its gradient is the one every class's error flows through).
 _LAST_LAYER_DENSE = {"keep_last_layer_dense": True}
@@ -90,6 +94,18 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P); density warm-up, "
         "last layer dense",
         {"compressor": "topk", "aggregator": "gtopk", **_SPARSIFIER, **_LAST_LAYER_DENSE},
+    ),
+    "ddp_powersgd": (
+        "PowerSGD: rank-4 approximations by one warm-started power iteration with error feedback, two "
+        f"allreduces per matrix; {PRESET_POWERSGD_DENSE_STEPS} dense steps first, last layer dense",
+        {
+            "compressor": "powersgd",
+            "compressor_kwargs": {"rank": 4},
+            "memory": "ef",
+            "aggregator": "allreduce",
+            "warmup_steps": PRESET_POWERSGD_DENSE_STEPS,
+            **_LAST_LAYER_DENSE,
+        },
     ),
     "ddp_terngrad": (
         "TernGrad: 2-bit stochastic ternary gradients, shared per-layer scalers, 2.5-sigma clipping, last layer dense",
@@ -220,6 +236,11 @@ class GradCompStrategy(DDPStrategy):
             raise ValueError(
                 f"aggregator='allreduce' sums compressed codes across ranks, which {self.compressor!r} cannot do "
                 "as configured (TernGrad needs share_scale=True); use aggregator='allgather' or 'auto'"
+            )
+        if aggregator in ("allgather", "gtopk") and not self.compressor.gatherable:
+            raise ValueError(
+                f"aggregator={aggregator!r} gathers each rank's payload bytes, but {self.compressor!r} is summed over "
+                "ranks in rounds (each computed from the last one's sum); use aggregator='allreduce' or 'auto'"
             )
         if granularity == "bucket":
             rank_zero_deprecation(

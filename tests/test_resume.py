@@ -20,6 +20,7 @@ from models import ShuffledClassifier, fit
 from ranks import run_ranks
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.units import plan_units
 
 TIMEOUT = timedelta(seconds=60)
@@ -38,11 +39,13 @@ def _cases() -> dict[str, dict[str, Any]]:
         if kwargs["compressor"] in ("topk", "gaussiank"):
             kwargs["density"] = SPARSIFIER_DENSITY
         cases[name] = kwargs
-        if kwargs["compressor"] not in ("none", "atomo"):  # ATOMO needs each layer's shape
+        if kwargs["compressor"] != "none" and not COMPRESSORS[kwargs["compressor"]].needs_layer_shape:
             other = "layer" if kwargs.get("granularity", "layer") == "model" else "model"
             cases[f"{name}/{other}"] = {**kwargs, "granularity": other}
     # as ATOMO's preset does, dense first: the checkpoint lands in the dense steps, compression starts after it
     cases["ddp_atomo/dense-first"] = {**cases["ddp_atomo"], "warmup_steps": N + 2}
+    # PowerSGD's Q is drawn at the first compressed step, after the resume: from the seed, not from the checkpoint
+    cases["ddp_powersgd/dense-first"] = {**cases["ddp_powersgd"], "warmup_steps": N + 2}
     return cases
 
 
@@ -67,6 +70,7 @@ def _outcome(model: torch.nn.Module, strategy: GradCompStrategy) -> dict:
         "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "memory": strategy.memory.state_dict(),
         "step": hook.step,
+        "warm_starts": hook.state_dict()["warm_starts"],
         "buckets": [s.buckets for s in hook.history],
     }
 
@@ -111,6 +115,10 @@ def test_resume_is_bit_identical_whatever_the_bucket_layout(world_size: int, tmp
             assert bool(straight["memory"]) == (CASES[case]["memory"] != "none"), label
             for name in straight["memory"]:
                 assert torch.equal(straight["memory"][name], again["memory"][name]), f"{label}: memory {name}"
+            assert straight["warm_starts"].keys() == again["warm_starts"].keys(), label
+            assert bool(straight["warm_starts"]) == (CASES[case]["compressor"] == "powersgd"), label
+            for name in straight["warm_starts"]:
+                assert torch.equal(straight["warm_starts"][name], again["warm_starts"][name]), f"{label}: Q of {name}"
             for name in straight["weights"]:
                 assert torch.equal(straight["weights"][name], again["weights"][name]), f"{label}: weight {name}"
         # ranks hold different residuals (every rank's state came back, not rank 0's alone)

@@ -30,7 +30,7 @@ is compared with what the papers promise:
   layer's own scaler ``s = ||x||_inf`` and no clipping, ``E||t||^2 = s ||x||_1`` and so
   ``E[e] = R - 1``; clipping and a shared (larger) scaler move the draw away from it. Reported.
 
-A compressor with none of these properties (ATOMO, the identity) gets only ``e`` logged.
+A compressor with none of these properties (ATOMO, PowerSGD, the identity) gets only ``e`` logged.
 """
 
 from __future__ import annotations

@@ -87,6 +87,10 @@ class Pending:
     Everything that decides *which* collectives run (size exchanges, shared scales, gTop-k's
     rounds) has run by the time a :class:`Pending` exists, so every rank has issued the same
     collectives in the same order; only the last one, and the decoding after it, are deferred.
+    A summable form of several rounds (PowerSGD's) launches its later rounds in :meth:`wait`,
+    each from the previous round's sum: every rank still issues them in the same order, as long
+    as every rank waits for its pending aggregations in the same order (the hook lands them in
+    bucket order).
     """
 
     def __init__(self, finish: Callable[[], list[Aggregate]]) -> None:
@@ -126,6 +130,9 @@ class AllreduceAggregator(Aggregator):
     reducer does, so the identity compressor reproduces plain DDP bit for bit); compressors with
     integer codes (TernGrad with a shared scale) sum those instead.
 
+    A compressor whose summable form takes several rounds (:meth:`Compressor.next_summable`,
+    PowerSGD's ``P`` then ``Q``) gets each round launched once the previous one's sum is known.
+
     Integer sums are exact, so all integer contributions of one dtype travel in one collective.
     A float sum over three or more ranks depends on where an element sits in the reduced tensor
     (gloo's ring adds the ranks' values in an order that depends on the element's chunk), so each
@@ -138,26 +145,51 @@ class AllreduceAggregator(Aggregator):
     def start(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
         world = collectives.world_size
         summands = [c.codec.summable(c.payload, world) for c in contributions]
-        batches = [[i] for i, t in enumerate(summands) if t.is_floating_point()]
-        integer_dtypes = dict.fromkeys(t.dtype for t in summands if not t.is_floating_point())
-        batches += [[i for i, t in enumerate(summands) if t.dtype == dtype] for dtype in integer_dtypes]
-        launched = []
-        for positions in batches:
-            flat = torch.cat([summands[i] for i in positions]) if len(positions) > 1 else summands[positions[0]]
-            launched.append((positions, collectives.all_reduce_start(flat)))
+        first = _reduce_start(summands, collectives)
 
         def finish() -> list[Aggregate]:
-            totals: list[Tensor | None] = [None] * len(contributions)
-            for positions, reduction in launched:
-                flat = reduction.wait()
-                for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
-                    totals[i] = total
+            totals = first()
+            # further rounds (PowerSGD's Q = M^T P after its P), each computed from the last one's sum
+            live = list(range(len(contributions)))
+            while live:
+                following = [(i, _next(contributions[i], totals[i], world)) for i in live]
+                live = [i for i, summand in following if summand is not None]
+                if live:
+                    reduced = _reduce_start([summand for _, summand in following if summand is not None], collectives)()
+                    for i, total in zip(live, reduced, strict=True):
+                        totals[i] = total
             return [
                 Aggregate(c.codec.from_sum(total, c.payload, world), local=c)
                 for c, total in zip(contributions, totals, strict=True)
             ]
 
         return Pending(finish)
+
+
+def _next(contribution: Contribution, total: Tensor, world: int) -> Tensor | None:
+    return contribution.codec.next_summable(contribution.payload, total, world)
+
+
+def _reduce_start(summands: Sequence[Tensor], collectives: Collectives) -> Callable[[], list[Tensor]]:
+    """Launch the sums over ranks of ``summands`` (each float tensor alone, integers batched by dtype; see
+    :class:`AllreduceAggregator`); the returned function waits and gives the sums in order."""
+    batches = [[i] for i, t in enumerate(summands) if t.is_floating_point()]
+    integer_dtypes = dict.fromkeys(t.dtype for t in summands if not t.is_floating_point())
+    batches += [[i for i, t in enumerate(summands) if t.dtype == dtype] for dtype in integer_dtypes]
+    launched = []
+    for positions in batches:
+        flat = torch.cat([summands[i] for i in positions]) if len(positions) > 1 else summands[positions[0]]
+        launched.append((positions, collectives.all_reduce_start(flat)))
+
+    def wait() -> list[Tensor]:
+        totals: list[Tensor | None] = [None] * len(summands)
+        for positions, reduction in launched:
+            flat = reduction.wait()
+            for i, total in zip(positions, flat.split([summands[i].numel() for i in positions]), strict=True):
+                totals[i] = total
+        return totals  # type: ignore[return-value]
+
+    return wait
 
 
 class AllgatherAggregator(Aggregator):

@@ -9,6 +9,7 @@ from lightning_gradcomp.compressors.base import Compressor, Entries, Payload, al
 from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
+from lightning_gradcomp.compressors.powersgd import LowRankPayload, PowerSGDCompressor
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.randomk import RandomKCompressor
 from lightning_gradcomp.compressors.sign import ScaledSignCompressor, SignPayload
@@ -29,6 +30,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         TernGradCompressor,
         BlockQuantizer,
         AtomoCompressor,
+        PowerSGDCompressor,
     )
 }
 
@@ -61,7 +63,9 @@ __all__ = [
     "Entries",
     "GaussianKCompressor",
     "IdentityCompressor",
+    "LowRankPayload",
     "Payload",
+    "PowerSGDCompressor",
     "RandomKCompressor",
     "ScaledSignCompressor",
     "SignPayload",

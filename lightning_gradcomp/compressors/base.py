@@ -11,6 +11,12 @@ Two optional capabilities serve the allreduce aggregator:
   elementwise sum over ranks decodes to the average (ternary codes summed as integers);
 * a *shared scale* (:attr:`Compressor.shares_scale`, :meth:`Compressor.local_scale`): every rank
   compresses with the MAX over ranks of a per-tensor scale, agreed on in one small collective.
+
+A summable form may take several rounds (:meth:`Compressor.next_summable`): PowerSGD sums
+``P = MQ`` first and ``Q = M^T P`` after, the second computed from the first's sum. Such a
+compressor is not :attr:`~Compressor.gatherable`. A compressor may also carry a *warm start* per
+unit from one step to the next (:meth:`Compressor.initial_state`; PowerSGD's ``Q``): the hook keeps
+it, the same on every rank, and checkpoints it.
 """
 
 from __future__ import annotations
@@ -99,12 +105,19 @@ class Compressor(ABC):
             which sparse aggregators (gTop-k) can merge.
         needs_layer_shape: whether the compressor works on each parameter's own shape (matrices),
             so a flat unit (``granularity="model"`` or ``"group"``) would defeat it.
+        gatherable: whether one payload's bytes, gathered from every rank, decode to the average
+            (what the allgather and gTop-k aggregators need); PowerSGD's second message depends on
+            the sum of the first, so it is all-reduced only.
+        warm_started: whether :meth:`compress` takes a ``warm_start=`` tensor, the unit's state
+            from :meth:`initial_state` as the last step left it.
     """
 
     name: ClassVar[str]
     unbiased: ClassVar[bool]
     sparse: ClassVar[bool] = False
     needs_layer_shape: ClassVar[bool] = False
+    gatherable: ClassVar[bool] = True
+    warm_started: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
@@ -180,9 +193,28 @@ class Compressor(ABC):
         """
         return self.decompress(payload) * (1.0 / world_size)
 
+    def next_summable(self, payload: Payload, total: Tensor, world_size: int) -> Tensor | None:
+        """After a round's ``total`` (the sum over ranks of what this payload last handed over): the
+        next round's summand, or ``None`` when ``total`` is the last and goes to :meth:`from_sum`.
+
+        Whether there is a next round may depend on the payload's shape only, never on its values,
+        so that every rank runs the same rounds. Default: one round.
+        """
+        return None
+
     def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
         """The average over ranks (flat, in the payload's dtype) from the summed :meth:`summable`."""
         return total
+
+    def initial_state(
+        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+    ) -> Tensor | None:
+        """A unit's warm start before its first compressed step (only called when :attr:`warm_started`).
+
+        ``generator`` is seeded alike on every rank (from the seed and the unit alone), so that
+        every rank starts from the same state. ``None``: this unit needs none.
+        """
+        return None
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
