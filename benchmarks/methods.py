@@ -23,6 +23,8 @@ OURS = (
     "ddp_atomo",
     "ddp_efsign",
     "ddp_powersgd",
+    "ddp_fp16",
+    "ddp_bf16",
 )
 TORCH_METHODS = ("dense", "fp16", "powersgd")
 #: ``name -> (named strategy, arguments that replace the preset's)``.

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution, Pending
-from lightning_gradcomp.compressors import Compressor, IdentityCompressor, SparsePayload, all_finite
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor, all_finite
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.schedule import DensityWarmup
@@ -317,7 +317,7 @@ class GradCompHook:
                 # the average is decoded into a buffer kept per unit: no allocation per step
                 target = partial(self._kept, self._means, unit, x)
                 contributions.append(Contribution(self.compressor, payload, target))
-                selected = payload.k if isinstance(payload, SparsePayload) else None
+                selected = payload.selected
                 stats.numel_compressed += x.numel()
                 stats.payload_bytes += payload.nbytes
                 stats.selected += selected or 0

@@ -30,7 +30,7 @@ from lightning_gradcomp.checkpoint import (
     write_shard,
 )
 from lightning_gradcomp.comm import AGGREGATORS
-from lightning_gradcomp.compressors import Compressor, build_compressor
+from lightning_gradcomp.compressors import WIRE_PRECISIONS, Compressor, WirePrecision, build_compressor
 from lightning_gradcomp.compressors.topk import validate_density
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
@@ -59,6 +59,10 @@ PRESET_POWERSGD_DENSE_STEPS = 100
 _LAST_LAYER_DENSE = {"keep_last_layer_dense": True}
 _SPARSIFIER = {"memory": "ef", "granularity": "model", "density_warmup_steps": PRESET_DENSITY_WARMUP_STEPS}
 
+#: The half-precision dense presets: every parameter (none too small) in size-capped groups, as DDP's buckets.
+_HALF_WIRE = {"compressor": "none", "memory": "none", "aggregator": "allreduce", "granularity": "group",
+              "min_compress_numel": 0}  # fmt: skip
+
 #: Named strategies registered with Lightning when ``lightning_gradcomp`` is imported.
 NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_gradcomp_dense": (
@@ -84,6 +88,16 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         "EF-SignSGD: scaled signs (1 bit per element, one scale per layer) with error feedback, allgather of "
         "the averaged scaled signs; last layer dense",
         {"compressor": "sign", "memory": "ef", "aggregator": "allgather", **_LAST_LAYER_DENSE},
+    ),
+    "ddp_fp16": (
+        "Dense gradients sent as float16, divided by the world size before the sum (PyTorch's fp16_compress_hook), "
+        "allreduce per parameter group",
+        _HALF_WIRE | {"wire_precision": "fp16"},
+    ),
+    "ddp_bf16": (
+        "Dense gradients sent as bfloat16 (float32's range, 8-bit mantissa), divided by the world size before the "
+        "sum, allreduce per parameter group",
+        _HALF_WIRE | {"wire_precision": "bf16"},
     ),
     "ddp_gaussiank": (
         "Gaussian_k: O(d) threshold selection with error feedback, k/2 to k entries in k fixed slots, allgather; "
@@ -157,6 +171,9 @@ class GradCompStrategy(DDPStrategy):
         seed: base seed of the compressors' random streams; a unit's stream at a step is a pure
             function of (seed, rank, step, unit), the same after any restart.
         compressor_kwargs: further arguments for a compressor given by name.
+        wire_precision: ``"fp16"`` or ``"bf16"`` to send the compressor's float values (dense tensors,
+            sparse values, PowerSGD's factors) in half precision, divided by the world size before any
+            sum (:class:`~lightning_gradcomp.compressors.WirePrecision`); ``None``: the gradient's dtype.
         dense_parameters: ``fnmatch`` patterns of parameter names averaged densely, uncompressed
             (each must match a parameter of the model, checked at setup).
         keep_last_layer_dense: average the last layer's parameters (the module holding the last
@@ -191,6 +208,7 @@ class GradCompStrategy(DDPStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         compressor_kwargs: dict[str, Any] | None = None,
+        wire_precision: Literal["fp16", "bf16"] | None = None,
         dense_parameters: Sequence[str] = (),
         keep_last_layer_dense: bool = False,
         on_world_size_change: Literal["error", "reset"] = "error",
@@ -213,6 +231,15 @@ class GradCompStrategy(DDPStrategy):
         if density is not None:
             compressor_args["density"] = density
         self.compressor = build_compressor(compressor, **compressor_args)
+        if wire_precision is not None:
+            if wire_precision not in WIRE_PRECISIONS:
+                raise ValueError(f"wire_precision must be one of {[None, *WIRE_PRECISIONS]}, got {wire_precision!r}")
+            if aggregator == "gtopk":
+                raise ValueError(
+                    f"wire_precision={wire_precision!r} with aggregator='gtopk': the butterfly sums entries in the "
+                    "messages' precision at every round; use aggregator='allgather'"
+                )
+            self.compressor = WirePrecision(self.compressor, wire_precision)
         if not isinstance(memory, str) or memory not in MEMORIES:
             raise ValueError(f"memory must be one of {sorted(MEMORIES)}, got {memory!r}")
         memory_args = dict(memory_kwargs or {})

@@ -53,7 +53,8 @@ CASES = _cases()
 
 
 def _strategy(case: str) -> GradCompStrategy:
-    return GradCompStrategy(min_compress_numel=100, timeout=TIMEOUT, bucket_cap_mb=BUCKET_CAP_MB, **CASES[case])
+    kwargs = {"min_compress_numel": 100, **CASES[case]}
+    return GradCompStrategy(timeout=TIMEOUT, bucket_cap_mb=BUCKET_CAP_MB, **kwargs)
 
 
 def _cases_for(world_size: int) -> list[str]:

@@ -10,6 +10,7 @@ from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.compressors.powersgd import LowRankPayload, PowerSGDCompressor
+from lightning_gradcomp.compressors.precision import WIRE_PRECISIONS, CastPayload, WirePrecision
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.randomk import RandomKCompressor
 from lightning_gradcomp.compressors.sign import ScaledSignCompressor, SignPayload
@@ -54,9 +55,11 @@ def build_compressor(spec: str | Compressor, **kwargs: Any) -> Compressor:
 
 __all__ = [
     "COMPRESSORS",
+    "WIRE_PRECISIONS",
     "AtomoCompressor",
     "AtomoPayload",
     "BlockQuantizer",
+    "CastPayload",
     "Compressor",
     "DGCCompressor",
     "DensePayload",
@@ -75,6 +78,7 @@ __all__ = [
     "TernaryPayload",
     "TernarySlice",
     "TopKCompressor",
+    "WirePrecision",
     "all_finite",
     "build_compressor",
 ]

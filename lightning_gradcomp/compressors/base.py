@@ -93,6 +93,22 @@ class Payload(ABC):
         (sparse and ternary payloads), else ``None``."""
         return None
 
+    @property
+    def selected(self) -> int | None:
+        """Entries carried, for a sparse payload (``None`` otherwise)."""
+        return None
+
+    def cast(self, dtype: torch.dtype) -> Payload:
+        """The same payload with its float values in ``dtype`` (a wire precision, or back to the gradient's).
+
+        Only payloads of compressors with :attr:`Compressor.float_wire` that are gathered implement it.
+        """
+        raise TypeError(f"{type(self).__name__} has no float values to cast")
+
+    def wire_nbytes(self, float_itemsize: int) -> int:
+        """The size of the wire form with every float value taking ``float_itemsize`` bytes."""
+        raise TypeError(f"{type(self).__name__} has no float values to send in another precision")
+
 
 class Compressor(ABC):
     """Compresses gradients; subclasses validate their hyper-parameters in ``__init__``.
@@ -110,6 +126,10 @@ class Compressor(ABC):
             the sum of the first, so it is all-reduced only.
         warm_started: whether :meth:`compress` takes a ``warm_start=`` tensor, the unit's state
             from :meth:`initial_state` as the last step left it.
+        float_wire: whether what it sends is float values (and integers such as indices) that a
+            half-precision wire can carry (:class:`~lightning_gradcomp.compressors.WirePrecision`):
+            its payloads implement :meth:`Payload.cast` and :meth:`Payload.wire_nbytes`, or it is
+            all-reduced in rounds only.
     """
 
     name: ClassVar[str]
@@ -118,6 +138,7 @@ class Compressor(ABC):
     needs_layer_shape: ClassVar[bool] = False
     gatherable: ClassVar[bool] = True
     warm_started: ClassVar[bool] = False
+    float_wire: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:

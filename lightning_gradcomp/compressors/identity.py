@@ -33,12 +33,19 @@ class DensePayload(Payload):
     def to_bytes(self) -> Tensor:
         return to_bytes([self.values])
 
+    def cast(self, dtype: torch.dtype) -> DensePayload:
+        return DensePayload(self.values.to(dtype), self.shape)
+
+    def wire_nbytes(self, float_itemsize: int) -> int:
+        return self.values.numel() * float_itemsize
+
 
 class IdentityCompressor(Compressor):
     """Sends the tensor unchanged (``compressor="none"``); aggregators all-reduce it."""
 
     name = "none"
     unbiased = True
+    float_wire = True
 
     def compress(
         self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None

@@ -5,13 +5,16 @@ Optimization", NeurIPS 2019, Algorithm 1. For a matrix ``M`` (``n x m``; a param
 plus its error-feedback residual, viewed as ``(shape[0], -1)`` as PyTorch's ``powerSGD_hook``
 does) and the warm start ``Q`` (``m x r``, the same on every rank):
 
-1. ``P = M Q``, summed over ranks (first round);
+1. ``P = M Q``, averaged over ranks (first round; PyTorch sums, and the orthogonalisation
+   makes the two the same up to rounding);
 2. ``P^ = orthogonalize(P)`` (Gram-Schmidt for ``r <= 2``, else QR, as PyTorch does);
 3. ``Q_i = M^T P^``, averaged over ranks (second round): ``Q-``;
 4. ``M^ = P^ Q-^T``, the estimate every rank applies; ``Q-`` is the next step's warm start
    (Sec. 3, "warm start"), orthogonalised again before use.
 
-Both rounds are sums of float tensors, so the allreduce aggregator runs them
+Both rounds are sums of float tensors, each share divided by the world size before the sum (so
+that a half-precision wire, :mod:`~lightning_gradcomp.compressors.precision`, cannot overflow),
+so the allreduce aggregator runs them
 (:meth:`PowerSGDCompressor.next_summable`); the compressor never touches a process group. A
 payload stands for ``M^`` once both rounds are done, so error feedback keeps ``e = M - M^``, the
 residual against the shared estimate, as in Algorithm 2 with ``DECOMPRESS`` of the aggregate and
@@ -82,7 +85,10 @@ class LowRankPayload(Payload):
 
     @property
     def nbytes(self) -> int:
-        return (self.p.numel() + self.q.numel()) * self.matrix.element_size()
+        return self.wire_nbytes(self.matrix.element_size())
+
+    def wire_nbytes(self, float_itemsize: int) -> int:
+        return (self.p.numel() + self.q.numel()) * float_itemsize
 
     def to_bytes(self) -> Tensor:
         raise TypeError("PowerSGD's two messages are all-reduced one after the other; they have no single wire form")
@@ -126,6 +132,7 @@ class PowerSGDCompressor(Compressor):
     needs_layer_shape = True
     gatherable = False
     warm_started = True
+    float_wire = True
 
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, epsilon: float = 0.0) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -188,21 +195,21 @@ class PowerSGDCompressor(Compressor):
         if isinstance(payload, DensePayload):
             return self._dense.summable(payload, world_size)
         assert isinstance(payload, LowRankPayload)
-        return payload.p.view(-1)
+        return payload.p.view(-1).div_(world_size)
 
     def next_summable(self, payload: Payload, total: Tensor, world_size: int) -> Tensor | None:
         """After ``P``'s sum: ``Q_i = M^T orthogonalize(P)``; after ``Q``'s sum: done."""
         if not isinstance(payload, LowRankPayload) or payload.p_hat is not None:
             return None
         payload.p_hat = orthogonalize_(total.view(payload.p.shape), payload.epsilon)
-        return (payload.matrix.T @ payload.p_hat).view(-1)
+        return (payload.matrix.T @ payload.p_hat).view(-1).div_(world_size)
 
     def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
         """``P^ Q-^T``; ``Q-`` becomes the warm start (unless it is not finite: a NaN would stay forever)."""
         if isinstance(payload, DensePayload):
             return total
         assert isinstance(payload, LowRankPayload)
-        q_mean = total.view(payload.q.shape).div_(world_size)
+        q_mean = total.view(payload.q.shape)
         payload.q_mean = q_mean
         if bool(torch.isfinite(q_mean).all()):
             payload.q.copy_(q_mean)

@@ -55,9 +55,19 @@ class SparsePayload(Payload):
         return self.values.numel()
 
     @property
+    def selected(self) -> int:
+        return self.k
+
+    @property
     def nbytes(self) -> int:
-        per_entry = itemsize(index_dtype(self.numel)) + self.values.element_size()
+        return self.wire_nbytes(self.values.element_size())
+
+    def wire_nbytes(self, float_itemsize: int) -> int:
+        per_entry = itemsize(index_dtype(self.numel)) + float_itemsize
         return self.k * per_entry if self.slots is None else 4 + self.slots * per_entry
+
+    def cast(self, dtype: torch.dtype) -> SparsePayload:
+        return SparsePayload(self.indices, self.values.to(dtype), self.shape, self.slots)
 
     def entries(self) -> SparseEntries:
         return SparseEntries(self.indices, self.values, self.numel)
@@ -173,6 +183,7 @@ class FixedKSparsifier(Compressor):
     (Top-k, random-k): a payload's size follows from the tensor's, so the allgather needs no size exchange."""
 
     sparse = True
+    float_wire = True
     density: float
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
