@@ -11,6 +11,7 @@ from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.compressors.powersgd import LowRankPayload, PowerSGDCompressor
 from lightning_gradcomp.compressors.precision import WIRE_PRECISIONS, CastPayload, WirePrecision
+from lightning_gradcomp.compressors.qsgd import LevelsPayload, QSGDCompressor
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.randomk import RandomKCompressor
 from lightning_gradcomp.compressors.sign import ScaledSignCompressor, SignPayload
@@ -30,6 +31,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         ScaledSignCompressor,
         TernGradCompressor,
         BlockQuantizer,
+        QSGDCompressor,
         AtomoCompressor,
         PowerSGDCompressor,
     )
@@ -66,9 +68,11 @@ __all__ = [
     "Entries",
     "GaussianKCompressor",
     "IdentityCompressor",
+    "LevelsPayload",
     "LowRankPayload",
     "Payload",
     "PowerSGDCompressor",
+    "QSGDCompressor",
     "RandomKCompressor",
     "ScaledSignCompressor",
     "SignPayload",

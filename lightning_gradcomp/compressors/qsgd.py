@@ -1,0 +1,163 @@
+"""QSGD with ``s`` levels: per block, its 2-norm and a signed level in ``{-s, ..., s}`` per element.
+
+Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via Gradient
+Quantization and Encoding", NeurIPS 2017, Sec. 3.1. For a block ``v`` with ``N = ||v||_2`` and
+``u_j = s |v_j| / N``, element ``j`` is sent as
+
+    Q(v)_j = N sign(v_j) xi_j / s,   xi_j = l_j + 1 w.p. u_j - l_j, else l_j  (l_j = floor(u_j)),
+
+so ``E[xi_j] = u_j`` and ``Q`` is unbiased. Its variance is bounded by Lemma 3.1:
+``E||Q(v) - v||^2 <= min(d / s^2, sqrt(d) / s) ||v||^2`` for a block of ``d`` elements, which
+:meth:`QSGDCompressor.omega` returns for DIANA (Mishchenko et al., 2019, take ``alpha = 1 / (omega
++ 1)``). With ``s = 1`` this is DIANA's 2-norm quantizer (``compressor="quantizer"`` with ``p=2``),
+whose exact bound ``sqrt(d) - 1`` the quantizer gives; ``s`` generalises it.
+
+Wire: one float32 norm per block, then the levels offset by ``s`` and packed, 4 bits each for
+``s <= 7`` (two per byte) and 8 bits for ``s <= 127``. The paper's Elias coding of the levels
+(Sec. 3.2) is not used: fixed-width codes keep the payload's size a function of the tensor's,
+so the allgather needs no exchange of sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.quantizer import validate_block_size
+from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, working_dtype
+from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+
+#: QSGD's default: 7 levels, the most that 4-bit codes hold, in blocks of 512 elements (the
+#: paper's bucketing: a norm per bucket keeps the variance bound independent of the layer size).
+DEFAULT_LEVELS = 7
+DEFAULT_QSGD_BLOCK = 512
+
+
+def code_bits(levels: int) -> int:
+    """Bits per element on the wire: 4 for ``s <= 7``, 8 for ``s <= 127``."""
+    return 4 if levels <= 7 else 8
+
+
+def codes_nbytes(numel: int, levels: int) -> int:
+    """Bytes of ``numel`` packed levels."""
+    return -(-numel // 2) if code_bits(levels) == 4 else numel
+
+
+@dataclass(frozen=True, eq=False)
+class LevelsPayload(Payload):
+    """Signed levels ``c_j`` in ``[-s, s]`` (int8) and one norm per block: element ``j`` is ``N_l c_j / s``."""
+
+    codes: Tensor
+    norms: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    block: int
+    levels: int
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.norms.numel() + codes_nbytes(self.codes.numel(), self.levels)
+
+    def to_bytes(self) -> Tensor:
+        biased = (self.codes + self.levels).to(torch.uint8)
+        if code_bits(self.levels) == 4:
+            if biased.numel() % 2:
+                biased = torch.cat([biased, biased.new_zeros(1)])
+            pairs = biased.view(-1, 2)
+            biased = pairs[:, 0] | (pairs[:, 1] << 4)
+        return to_bytes([self.norms, biased])
+
+    @classmethod
+    def from_bytes(
+        cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype, block: int, levels: int
+    ) -> LevelsPayload:
+        numel = shape.numel()
+        reader = ByteReader(buffer)
+        norms = reader.take(num_blocks(numel, block), torch.float32)
+        packed = reader.take(codes_nbytes(numel, levels), torch.uint8)
+        if reader.remaining:
+            raise ValueError(f"QSGD payload has {reader.remaining} unexpected trailing bytes")
+        if code_bits(levels) == 4:
+            packed = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
+        codes = packed.to(torch.int8) - levels
+        return cls(codes, norms, shape, dtype, block, levels)
+
+    def dense(self) -> Tensor:
+        """The decoded flat tensor, in float32 (or float64 for float64 gradients)."""
+        values = self.codes.to(working_dtype(self.dtype))
+        return scale_blocks_(values, self.norms.to(values.dtype) / self.levels, self.block)
+
+
+class QSGDCompressor(Compressor):
+    """QSGD: per block, the 2-norm and stochastic levels in ``{-s..s}`` (unbiased; Alistarh et al. 2017).
+
+    Args:
+        levels: ``s``, the quantisation levels per sign, 1 to 127 (4-bit codes up to 7).
+        block_size: elements per block (the paper's bucket), or ``None`` for one block per tensor.
+
+    Every rank sends its own norms, so payloads are averaged by the allgather aggregator.
+    """
+
+    name = "qsgd"
+    unbiased = True
+
+    def __init__(self, levels: int = DEFAULT_LEVELS, block_size: int | None = DEFAULT_QSGD_BLOCK) -> None:
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise ValueError(f"levels must be an integer from 1 to 127 (QSGD's s), got {levels!r}")
+        self.levels = levels
+        self.block_size = validate_block_size(block_size)
+
+    def _block(self, numel: int) -> int:
+        return self.block_size if self.block_size is not None else max(1, numel)
+
+    def omega(self, numel: int) -> float:
+        """Variance bound ``min(d / s^2, sqrt(d) / s)`` of Lemma 3.1, ``d`` the largest block; for ``s = 1`` the
+        exact ``sqrt(d) - 1`` (the quantizer's derivation: with ``u_j <= 1`` the variance is ``N^2 (||u||_1 - 1)``)."""
+        if numel <= 0:
+            return 0.0
+        d = min(self._block(numel), numel)
+        if self.levels == 1:  # every u_j <= 1: sum u_j (1 - u_j) = ||u||_1 - 1 <= sqrt(d) - 1, attained
+            return math.sqrt(d) - 1.0
+        return min(d / self.levels**2, math.sqrt(d) / self.levels)
+
+    def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
+        g = x.detach().reshape(-1).to(working_dtype(x.dtype))
+        block = self._block(g.numel())
+        full = g.numel() // block
+        rows = [g[: full * block].view(full, block)] if full else []
+        if g.numel() > full * block:
+            rows.append(g[full * block :].view(1, -1))
+        norms = torch.cat([torch.linalg.vector_norm(r, 2, dim=1) for r in rows]) if rows else g.new_zeros(0)
+        inverse = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
+        u = scale_blocks_(g.abs(), inverse, block)
+        level = u.floor()
+        level += torch.rand(u.shape, generator=generator, device=u.device, dtype=u.dtype) < (u - level)
+        codes = (level * g.sign()).to(torch.int8)
+        return LevelsPayload(codes, norms.to(torch.float32), x.shape, x.dtype, block, self.levels)
+
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        return LevelsPayload.from_bytes(buffer, shape, dtype, self._block(shape.numel()), self.levels)
+
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        numel = shape.numel()
+        return 4 * num_blocks(numel, self._block(numel)) + codes_nbytes(numel, self.levels)
+
+    def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
+        assert isinstance(payload, LevelsPayload)
+        return out.add_(payload.dense().to(out.dtype))
+
+    def decompress(self, payload: Payload) -> Tensor:
+        assert isinstance(payload, LevelsPayload)
+        return payload.dense().to(payload.dtype)
+
+    def preferred_aggregator(self, world_size: int) -> str:
+        """Always ``"allgather"``: norms differ per rank, so there is no integer form to allreduce."""
+        return "allgather"

@@ -1,0 +1,115 @@
+"""QSGD with s levels: levels are the floor or ceiling of s|x|/N, unbiased, variance measured against Lemma 3.1,
+exact wire size, arguments; DIANA with it on real ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ranks import run_ranks_once
+from test_hook import _make_hook, _train
+from test_terngrad import Z_LIMIT, assert_unbiased
+
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.compressors import LevelsPayload, QSGDCompressor
+from lightning_gradcomp.memory import Diana
+
+
+def _analytic_variance(x: torch.Tensor, levels: int) -> float:
+    """E||Q(x) - x||^2 for one block: (N / s)^2 sum_j frac(u_j) (1 - frac(u_j)), u = s |x| / N."""
+    norm = float(x.norm())
+    u = levels * x.abs() / norm
+    frac = u - u.floor()
+    return (norm / levels) ** 2 * float((frac * (1 - frac)).sum())
+
+
+@pytest.mark.parametrize("levels", [1, 3, 7])
+def test_unbiased_with_the_variance_of_lemma_3_1(levels: int) -> None:
+    d, trials = 100, 20_000
+    x = torch.randn(d, generator=torch.Generator().manual_seed(levels), dtype=torch.float64)
+    compressor = QSGDCompressor(levels, block_size=None)
+    gen = torch.Generator().manual_seed(100 + levels)
+    step = float(x.norm()) / levels
+    lower = (x.abs() * (levels / x.norm())).floor()  # l_j, as the compressor computes u_j
+    floor = lower * x.sign() * step
+    total, errors = torch.zeros(d, dtype=torch.float64), torch.empty(trials, dtype=torch.float64)
+    for t in range(trials):
+        payload = compressor.compress(x, gen)
+        decoded = compressor.decompress(payload)
+        above = payload.codes.abs().to(torch.float64) - lower
+        assert torch.all((above == 0) | (above == 1))
+        total += decoded - floor  # what is left above the floor level: N/s * sign * Bernoulli(frac)
+        errors[t] = (decoded - x).pow(2).sum()
+    assert_unbiased(total, x - floor, torch.full_like(x, step), trials)
+    expected = _analytic_variance(x, levels)
+    tolerance = Z_LIMIT * float(errors.std()) / math.sqrt(trials)
+    assert abs(float(errors.mean()) - expected) <= tolerance, (float(errors.mean()), expected, tolerance)
+    assert expected <= compressor.omega(d) * float(x.pow(2).sum())
+
+
+def test_one_level_bound_is_exact_and_more_levels_shrink_it() -> None:
+    x = torch.ones(256, dtype=torch.float64)  # equal magnitudes attain sqrt(d) - 1 at s = 1
+    assert _analytic_variance(x, 1) / 256 == pytest.approx(QSGDCompressor(1, None).omega(256)) == 15.0
+    assert QSGDCompressor(4, None).omega(256) == min(256 / 16, 16 / 4) == 4.0
+    assert QSGDCompressor(16, None).omega(256) == min(256 / 256, 16 / 16) == 1.0
+    assert QSGDCompressor(7, 512).omega(10**6) == QSGDCompressor(7, 512).omega(512)  # blocks bound it
+
+
+@pytest.mark.parametrize(("levels", "numel", "code_bytes"), [(7, 1301, 651), (1, 8, 4), (8, 1301, 1301), (127, 5, 5)])
+def test_wire_is_a_norm_per_block_and_fixed_width_levels(levels: int, numel: int, code_bytes: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    compressor = QSGDCompressor(levels, block_size=512)
+    payload = compressor.compress(x, torch.Generator().manual_seed(1))
+    assert isinstance(payload, LevelsPayload) and int(payload.codes.abs().max()) <= levels
+    size = 4 * math.ceil(numel / 512) + code_bytes
+    wire = payload.to_bytes()
+    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, x.dtype) == size
+    back = compressor.unpack(wire, x.shape, x.dtype)
+    assert torch.equal(back.codes, payload.codes) and torch.equal(back.norms, payload.norms)
+    with pytest.raises(ValueError, match="unexpected trailing bytes"):
+        compressor.unpack(torch.cat([wire, wire[:1]]), x.shape, x.dtype)
+
+
+def test_a_zero_block_sends_zeros() -> None:
+    compressor = QSGDCompressor(7, block_size=4)
+    x = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -2.0, 0.5, 0.0])
+    decoded = compressor.decompress(compressor.compress(x, torch.Generator().manual_seed(0)))
+    assert torch.equal(decoded[:4], torch.zeros(4)) and torch.isfinite(decoded).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"levels": 0}, "levels must be an integer from 1 to 127"),
+        ({"levels": 128}, "levels must be an integer from 1 to 127"),
+        ({"levels": 2.0}, "levels must be an integer from 1 to 127"),
+        ({"block_size": 0}, "block_size must be an integer >= 1 or None"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GradCompStrategy(compressor="qsgd", memory="none", compressor_kwargs=kwargs)
+
+
+def test_diana_takes_its_shift_step_from_the_bound() -> None:
+    strategy = GradCompStrategy(compressor="qsgd", memory="diana", compressor_kwargs={"levels": 4, "block_size": 256})
+    assert isinstance(strategy.memory, Diana)
+    assert strategy.memory.alpha_for(10_000) == pytest.approx(1 / (4.0 + 1))
+    assert strategy.resolved_aggregator(4) == "allgather"
+
+
+def _diana(rank: int, world_size: int) -> dict:
+    compressor = QSGDCompressor(7, block_size=256)
+    model, hook = _train(rank, world_size, _make_hook(compressor, Diana(variance_bound=compressor.omega), "layer"))
+    return {"weights": model.state_dict(), "payload_bytes": [s.payload_bytes for s in hook.history]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_on_real_ranks_diana_with_qsgd_keeps_ranks_identical(world_size: int) -> None:
+    results = run_ranks_once(_diana, world_size)
+    # 0.weight (2048: 8 norms + 1024 code bytes) and 2.weight (256: 1 norm + 128)
+    assert results[0]["payload_bytes"] == [(4 * 8 + 1024) + (4 + 128)] * len(results[0]["payload_bytes"])
+    for r in results[1:]:
+        for name, value in r["weights"].items():
+            assert torch.equal(value, results[0]["weights"][name]), name
