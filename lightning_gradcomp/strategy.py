@@ -30,7 +30,7 @@ from lightning_gradcomp.checkpoint import (
     write_shard,
 )
 from lightning_gradcomp.comm import AGGREGATORS
-from lightning_gradcomp.compressors import WIRE_PRECISIONS, Compressor, WirePrecision, build_compressor
+from lightning_gradcomp.compressors import Compressor, WirePrecision, build_compressor
 from lightning_gradcomp.compressors.topk import validate_density
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
@@ -232,8 +232,6 @@ class GradCompStrategy(DDPStrategy):
             compressor_args["density"] = density
         self.compressor = build_compressor(compressor, **compressor_args)
         if wire_precision is not None:
-            if wire_precision not in WIRE_PRECISIONS:
-                raise ValueError(f"wire_precision must be one of {[None, *WIRE_PRECISIONS]}, got {wire_precision!r}")
             if aggregator == "gtopk":
                 raise ValueError(
                     f"wire_precision={wire_precision!r} with aggregator='gtopk': the butterfly sums entries in the "

@@ -26,16 +26,18 @@ class WarmStarts:
         self.compressor = compressor
         self.streams = streams
         self._states: dict[str, Tensor] = {}
+        self._stateless: set[str] = set()  # units the compressor keeps no state for (e.g. sent dense)
 
     def arguments(self, unit: Unit, x: Tensor) -> dict[str, Tensor]:
         """The keyword arguments of ``compressor.compress`` for ``unit``'s tensor ``x``: ``{"warm_start": Q}``
         for a warm-started compressor with state for this shape, else nothing."""
-        if not self.compressor.warm_started:
+        if not self.compressor.warm_started or unit.label in self._stateless:
             return {}
         state = self._states.get(unit.label)
         if state is None:
             state = self.compressor.initial_state(x.shape, x.dtype, x.device, self.streams.shared(x.device, unit.key))
             if state is None:
+                self._stateless.add(unit.label)
                 return {}
             self._states[unit.label] = state
         elif state.device != x.device or state.dtype != x.dtype:  # loaded from a checkpoint on the CPU

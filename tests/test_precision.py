@@ -7,7 +7,7 @@ import torch
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
 from ranks import run_ranks_once
 from test_powersgd import _model, _train
-from test_sign import _Recording as _DenseRecording
+from test_sign import _Recording
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
@@ -18,20 +18,10 @@ from lightning_gradcomp.compressors import (
     TopKCompressor,
     WirePrecision,
 )
-from lightning_gradcomp.compressors.sparse import dense_of
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import ErrorFeedback, NoMemory
+from lightning_gradcomp.memory import NoMemory
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class _Recording(_DenseRecording):
-    """The sign tests' recording error feedback, for sparse payloads too (what was sent, decoded)."""
-
-    def update(self, name, compensated, sent, mean, unit_numel=None) -> None:
-        ErrorFeedback.update(self, name, compensated, sent, mean, unit_numel)
-        entry = next(e for e in reversed(self.log) if e["name"] == name)
-        entry.update(sent=dense_of(sent).clone(), new=self.residual(name).clone())
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

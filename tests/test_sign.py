@@ -13,6 +13,7 @@ from test_hook import _make_hook, _train
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
 from lightning_gradcomp.compressors import ScaledSignCompressor, SignPayload
 from lightning_gradcomp.compressors.sign import pack_bits, unpack_bits
+from lightning_gradcomp.compressors.sparse import dense_of
 from lightning_gradcomp.memory import ErrorFeedback
 
 
@@ -70,7 +71,7 @@ def test_the_preset_and_diana_refusing_it() -> None:
 
 
 class _Recording(ErrorFeedback):
-    """Error feedback that keeps what it took in and gave back, per unit and step."""
+    """Error feedback that keeps what it took in and gave back (sent decoded dense), per unit and step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,7 +87,7 @@ class _Recording(ErrorFeedback):
     def update(self, name, compensated, sent, mean, unit_numel=None) -> None:
         super().update(name, compensated, sent, mean, unit_numel)
         entry = next(e for e in reversed(self.log) if e["name"] == name)
-        entry.update(sent=sent.clone(), new=self.residual(name).clone())
+        entry.update(sent=dense_of(sent).clone(), new=self.residual(name).clone())
 
 
 def _efsign(rank: int, world_size: int) -> dict:

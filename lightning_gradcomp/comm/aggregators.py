@@ -151,13 +151,10 @@ class AllreduceAggregator(Aggregator):
             totals = first()
             # further rounds (PowerSGD's Q = M^T P after its P), each computed from the last one's sum
             live = list(range(len(contributions)))
-            while live:
-                following = [(i, _next(contributions[i], totals[i], world)) for i in live]
-                live = [i for i, summand in following if summand is not None]
-                if live:
-                    reduced = _reduce_start([summand for _, summand in following if summand is not None], collectives)()
-                    for i, total in zip(live, reduced, strict=True):
-                        totals[i] = total
+            while following := [(i, s) for i in live if (s := _next(contributions[i], totals[i], world)) is not None]:
+                live = [i for i, _ in following]
+                for i, total in zip(live, _reduce_start([s for _, s in following], collectives)(), strict=True):
+                    totals[i] = total
             return [
                 Aggregate(c.codec.from_sum(total, c.payload, world), local=c)
                 for c, total in zip(contributions, totals, strict=True)

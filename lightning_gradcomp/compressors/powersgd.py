@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.base import Compressor, Payload, all_finite
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
 
 
@@ -78,10 +78,6 @@ class LowRankPayload(Payload):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return self.matrix.device
-
-    @property
-    def rank(self) -> int:
-        return self.q.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +207,7 @@ class PowerSGDCompressor(Compressor):
         assert isinstance(payload, LowRankPayload)
         q_mean = total.view(payload.q.shape)
         payload.q_mean = q_mean
-        if bool(torch.isfinite(q_mean).all()):
+        if all_finite(q_mean):
             payload.q.copy_(q_mean)
         return payload.estimate()
 

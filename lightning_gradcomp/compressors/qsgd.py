@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Payload
-from lightning_gradcomp.compressors.quantizer import validate_block_size
+from lightning_gradcomp.compressors.base import Payload
+from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, working_dtype
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
@@ -96,8 +96,10 @@ class LevelsPayload(Payload):
         return scale_blocks_(values, self.norms.to(values.dtype) / self.levels, self.block)
 
 
-class QSGDCompressor(Compressor):
+class QSGDCompressor(BlockQuantizer):
     """QSGD: per block, the 2-norm and stochastic levels in ``{-s..s}`` (unbiased; Alistarh et al. 2017).
+
+    DIANA's 2-norm quantizer generalised to ``s`` levels: its blocks and norms, its own codes.
 
     Args:
         levels: ``s``, the quantisation levels per sign, 1 to 127 (4-bit codes up to 7).
@@ -107,16 +109,12 @@ class QSGDCompressor(Compressor):
     """
 
     name = "qsgd"
-    unbiased = True
 
     def __init__(self, levels: int = DEFAULT_LEVELS, block_size: int | None = DEFAULT_QSGD_BLOCK) -> None:
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"levels must be an integer from 1 to 127 (QSGD's s), got {levels!r}")
+        super().__init__(p=2, block_size=block_size)
         self.levels = levels
-        self.block_size = validate_block_size(block_size)
-
-    def _block(self, numel: int) -> int:
-        return self.block_size if self.block_size is not None else max(1, numel)
 
     def omega(self, numel: int) -> float:
         """Variance bound ``min(d / s^2, sqrt(d) / s)`` of Lemma 3.1, ``d`` the largest block; for ``s = 1`` the
@@ -131,11 +129,7 @@ class QSGDCompressor(Compressor):
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
         g = x.detach().reshape(-1).to(working_dtype(x.dtype))
         block = self._block(g.numel())
-        full = g.numel() // block
-        rows = [g[: full * block].view(full, block)] if full else []
-        if g.numel() > full * block:
-            rows.append(g[full * block :].view(1, -1))
-        norms = torch.cat([torch.linalg.vector_norm(r, 2, dim=1) for r in rows]) if rows else g.new_zeros(0)
+        norms = self.norms(g)
         inverse = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
         u = scale_blocks_(g.abs(), inverse, block)
         level = u.floor()
@@ -157,7 +151,3 @@ class QSGDCompressor(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, LevelsPayload)
         return payload.dense().to(payload.dtype)
-
-    def preferred_aggregator(self, world_size: int) -> str:
-        """Always ``"allgather"``: norms differ per rank, so there is no integer form to allreduce."""
-        return "allgather"
