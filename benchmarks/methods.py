@@ -46,6 +46,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_atomo:no-dense-warmup-budget-8": ("ddp_atomo", {"warmup_steps": 1, "compressor_kwargs": {"budget": 8}}),
     # PowerSGD compressed from step 2 on, as the PyTorch peer here is (start_powerSGD_iter=2): for timing side by side
     "ddp_powersgd:start-2": ("ddp_powersgd", {"warmup_steps": 2}),
+    # the same, each matrix in units of its own: two collectives per matrix instead of two per group
+    "ddp_powersgd:start-2-layer": ("ddp_powersgd", {"warmup_steps": 2, "granularity": "layer"}),
 }
 DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
 

@@ -15,7 +15,8 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
 4. Each compressed unit is compressed with its own random stream, a pure function of
    (seed, rank, step, unit) (:mod:`lightning_gradcomp.randomness`), and with its warm start
    when the compressor carries one from step to step (PowerSGD's ``Q``,
-   :mod:`lightning_gradcomp.warm_start`).
+   :mod:`lightning_gradcomp.warm_start`); a compressor that compresses a group parameter by
+   parameter (PowerSGD's matrices) is told their shapes.
 5. All units completed by this bucket are aggregated in one go (one collective, plus a size
    exchange when sizes vary across ranks); a float sum gets a collective of its own, so its
    summation order is fixed by its unit, not by which units happen to travel with it. The
@@ -199,6 +200,8 @@ class GradCompHook:
         self.calls = 0
         self.history: deque[StepStats] = deque(maxlen=history)
         self._names = {id(p): name for name, p in named_parameters}
+        # a compressor that compresses a flat unit parameter by parameter is told their shapes
+        self._shapes = {u.index: {"shapes": u.shapes} if compressor.takes_shapes else {} for u in self.units}
         self._assembler = UnitAssembler(self.units)
         self._buffers: dict[int, Tensor] = {}
         self._means: dict[int, Tensor] = {}
@@ -312,7 +315,11 @@ class GradCompHook:
         for (unit, _), x in zip(ready, tensors, strict=True):
             if unit.compressed:
                 generator = self.streams.generator(x.device, self.step, unit.key)
-                extra = {**scales.get(unit.index, {}), **self.warm_starts.arguments(unit, x)}
+                extra = {
+                    **scales.get(unit.index, {}),
+                    **self.warm_starts.arguments(unit, x),
+                    **self._shapes[unit.index],
+                }
                 payload = self.compressor.compress(x, generator, **extra)
                 # the average is decoded into a buffer kept per unit: no allocation per step
                 target = partial(self._kept, self._means, unit, x)

@@ -111,12 +111,13 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "ddp_powersgd": (
         "PowerSGD: rank-4 approximations by one warm-started power iteration with error feedback, two "
-        f"allreduces per matrix; {PRESET_POWERSGD_DENSE_STEPS} dense steps first, last layer dense",
+        f"allreduces per group of matrices; {PRESET_POWERSGD_DENSE_STEPS} dense steps first, last layer dense",
         {
             "compressor": "powersgd",
             "compressor_kwargs": {"rank": 4},
             "memory": "ef",
             "aggregator": "allreduce",
+            "granularity": "group",
             "warmup_steps": PRESET_POWERSGD_DENSE_STEPS,
             **_LAST_LAYER_DENSE,
         },

@@ -51,7 +51,8 @@ class Unit:
     """Parameters compressed (or averaged densely) together, in a fixed order.
 
     ``shape`` is the parameter's own shape for a one-parameter compressed unit, else the flat
-    length. ``key`` identifies the unit (seeds its randomness).
+    length; ``shapes`` are the parameters' own shapes, for compressors that compress a flat unit
+    parameter by parameter (PowerSGD's matrices). ``key`` identifies the unit (seeds its randomness).
     """
 
     index: int
@@ -60,6 +61,7 @@ class Unit:
     shape: torch.Size
     compressed: bool
     key: int
+    shapes: tuple[torch.Size, ...]
 
     @property
     def numel(self) -> int:
@@ -121,7 +123,8 @@ def plan_units(
             names = tuple(n for n, _ in group)
             numels = tuple(p.numel() for _, p in group)
             shape = group[0][1].shape if flag and granularity == "layer" else torch.Size([sum(numels)])
-            units.append(Unit(len(units), names, numels, shape, flag, unit_key(names)))
+            shapes = tuple(p.shape for _, p in group)
+            units.append(Unit(len(units), names, numels, shape, flag, unit_key(names), shapes))
     return tuple(units)
 
 

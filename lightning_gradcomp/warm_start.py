@@ -35,7 +35,8 @@ class WarmStarts:
             return {}
         state = self._states.get(unit.label)
         if state is None:
-            state = self.compressor.initial_state(x.shape, x.dtype, x.device, self.streams.shared(x.device, unit.key))
+            generator = self.streams.shared(x.device, unit.key)
+            state = self.compressor.initial_state(unit.shapes, x.dtype, x.device, generator)
             if state is None:
                 self._stateless.add(unit.label)
                 return {}

@@ -28,11 +28,13 @@ def _reference(matrices: list[torch.Tensor], q0: torch.Tensor) -> tuple[torch.Te
     return p_hat @ q_mean.T, q_mean
 
 
-def _two_rounds(compressor: PowerSGDCompressor, xs: list[torch.Tensor], q0: torch.Tensor) -> list[torch.Tensor]:
+def _two_rounds(
+    compressor: PowerSGDCompressor, xs: list[torch.Tensor], q0: torch.Tensor, shapes: tuple | None = None
+) -> list[torch.Tensor]:
     """What the allreduce aggregator does with PowerSGD's payloads, with the sums taken in this process."""
     world = len(xs)
     warm = [q0.clone() for _ in xs]
-    payloads = [compressor.compress(x, warm_start=q) for x, q in zip(xs, warm, strict=True)]
+    payloads = [compressor.compress(x, warm_start=q, shapes=shapes) for x, q in zip(xs, warm, strict=True)]
     total = sum(compressor.summable(p, world).clone() for p in payloads)
     seconds = [compressor.next_summable(p, total.clone(), world) for p in payloads]
     total = sum(seconds)
@@ -83,8 +85,62 @@ def test_small_matrices_and_vectors_go_dense_by_pytorchs_rule() -> None:
     assert compressor.factor_rank(torch.Size([8, 2, 3, 3])) is None  # (8 + 18) * 4 * 2 = 208 >= 144
     assert PowerSGDCompressor(rank=1).factor_rank(torch.Size([8, 2, 3, 3])) == 1
     assert isinstance(compressor.compress(torch.ones(4, 64)), DensePayload)
-    payload = compressor.compress(torch.ones(64, 32), warm_start=torch.randn(32, 4))
+    payload = compressor.compress(torch.ones(64, 32), warm_start=torch.randn(32 * 4))
     assert isinstance(payload, LowRankPayload) and payload.nbytes == (64 + 32) * 4 * 4
+
+
+#: a unit of mixed tensors: two matrices PowerSGD approximates (one 4-D), a matrix too small to gain, a vector
+GROUP_SHAPES = (torch.Size([24, 3, 2, 2]), torch.Size([5]), torch.Size([40, 30]), torch.Size([4, 6]))
+
+
+def test_a_group_is_its_tensors_compressed_one_by_one_in_one_sum_per_round() -> None:
+    """A unit of several parameters gives, bit for bit, what each would give alone: its matrices' P (then Q)
+    and its dense tensors share one summand per round, each in its own slice."""
+    gen = torch.Generator().manual_seed(5)
+    compressor = PowerSGDCompressor(rank=2)
+    world = 3
+    tensors = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in GROUP_SHAPES] for _ in range(world)]
+    q0 = compressor.initial_state(GROUP_SHAPES, torch.float64, torch.device("cpu"), torch.Generator().manual_seed(9))
+    # the unit's Q is each matrix's Q drawn in turn from the same stream (the small matrix and the vector get none)
+    again = torch.Generator().manual_seed(9)
+    alone = [compressor.initial_state((s,), torch.float64, torch.device("cpu"), again) for s in GROUP_SHAPES]
+    assert [a is None for a in alone] == [False, True, False, True]
+    assert torch.equal(q0, torch.cat([alone[0], alone[2]]))
+
+    group = _two_rounds(compressor, [torch.cat([t.reshape(-1) for t in ts]) for ts in tensors], q0, GROUP_SHAPES)
+    *group_means, group_q = group
+    offsets = [0]
+    for shape in GROUP_SHAPES:
+        offsets.append(offsets[-1] + shape.numel())
+    for i in range(len(GROUP_SHAPES)):
+        span = slice(offsets[i], offsets[i + 1])
+        if alone[i] is None:  # summed exactly, no approximation
+            expected = [sum(ts[i] for ts in tensors).reshape(-1) / world] * world
+        else:
+            *expected, q_alone = _two_rounds(compressor, [ts[i] for ts in tensors], alone[i])
+            q_span = slice(0, alone[0].numel()) if i == 0 else slice(alone[0].numel(), None)
+            assert torch.equal(group_q[q_span], q_alone)
+        for mean, reference in zip(group_means, expected, strict=True):
+            torch.testing.assert_close(mean[span], reference, rtol=0, atol=1e-15)
+
+    # bytes: (n + m) r per matrix, plus the dense tensors' values; what reached the average: the shared
+    # estimate for the matrices, the whole local tensor for the dense ones (their error feedback stays 0)
+    x = torch.cat([t.reshape(-1) for t in tensors[0]])
+    payload = compressor.compress(x, warm_start=q0.clone(), shapes=GROUP_SHAPES)
+    assert payload.nbytes == 8 * ((24 + 12) * 2 + 5 + (40 + 30) * 2 + 24)
+    payload.mean = torch.zeros(x.numel(), dtype=torch.float64)
+    sent = compressor.decompress(payload)
+    dense = torch.zeros(x.numel(), dtype=torch.bool)
+    dense[offsets[1] : offsets[2]] = dense[offsets[3] : offsets[4]] = True
+    assert torch.equal(sent[dense], x[dense]) and not sent[~dense].any()
+
+
+def test_a_group_refuses_shapes_or_warm_starts_that_do_not_fit() -> None:
+    compressor = PowerSGDCompressor(rank=2)
+    with pytest.raises(ValueError, match="do not add up to the 100 elements of x"):
+        compressor.compress(torch.ones(100), warm_start=torch.ones(4), shapes=GROUP_SHAPES)
+    with pytest.raises(ValueError, match=r"needs the unit's warm start Q \(84 values for shapes"):  # (12 + 30) * 2
+        compressor.compress(torch.ones(1517), warm_start=torch.ones(83), shapes=GROUP_SHAPES)
 
 
 @pytest.mark.parametrize(
@@ -108,8 +164,9 @@ def test_the_preset_and_what_it_refuses() -> None:
     for aggregator in ("allgather", "gtopk"):
         with pytest.raises(ValueError, match=f"aggregator='{aggregator}' gathers each rank's payload bytes"):
             GradCompStrategy(compressor="powersgd", aggregator=aggregator)
-    with pytest.raises(ValueError, match="use granularity='layer'"):
-        GradCompStrategy(compressor="powersgd", granularity="model")
+    assert params["granularity"] == "group"  # a group's matrices share their two allreduces
+    for granularity in ("layer", "group", "model"):  # told the parameters' shapes, any unit is its matrices
+        assert GradCompStrategy(compressor="powersgd", granularity=granularity).granularity == granularity
     with pytest.raises(ValueError, match="drops the rest of the spectrum"):
         GradCompStrategy(compressor="powersgd", memory="diana")
 
@@ -135,37 +192,47 @@ def _train(ddp: DistributedDataParallel, model: nn.Module, rank: int, world_size
     return weights
 
 
-def _ours_and_torchs(rank: int, world_size: int, approximation_rank: int) -> dict:
+def _initial_qs(hook: GradCompHook) -> dict[str, torch.Tensor]:
+    """Each parameter's initial Q (flat) as our hook draws it: its unit's draw, split by matrix."""
+    qs = {}
+    for unit in hook.units:
+        q = hook.compressor.initial_state(
+            unit.shapes, torch.float32, torch.device("cpu"), hook.streams.shared(None, unit.key)
+        )
+        sizes = [s.numel() // s[0] * (hook.compressor.factor_rank(s) or 0) for s in unit.shapes]
+        for name, part in zip(unit.names, q.split(sizes) if q is not None else [None] * len(sizes), strict=True):
+            if part is not None and part.numel():
+                qs[name] = part
+    return qs
+
+
+def _ours_and_torchs(rank: int, world_size: int, approximation_rank: int, granularity: str) -> dict:
     ours_model = _model()
     hook = GradCompHook(
         PowerSGDCompressor(rank=approximation_rank),
         _Recording(),
         "allreduce",
         list(ours_model.named_parameters()),
+        granularity=granularity,
         warmup_steps=START,
         min_compress_numel=0,
     )
+    initial = _initial_qs(hook)
     ddp = DistributedDataParallel(ours_model, bucket_cap_mb=0.01)  # several buckets, rebuilt after step 1
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     ours = _train(ddp, ours_model, rank, world_size)
 
-    # PyTorch's hook, started from the same Q as ours (our per-parameter draw, laid out in its bucket)
+    # PyTorch's hook, started from the same Q as ours (our draws, laid out in its bucket)
     torch_model = _model()
     names = {id(p): name for name, p in torch_model.named_parameters()}
-    units = {unit.label: unit for unit in hook.units}
     state = torch_powersgd.PowerSGDState(
         None, matrix_approximation_rank=approximation_rank, start_powerSGD_iter=START, min_compression_rate=2
     )
 
     def seeded(state: torch_powersgd.PowerSGDState, bucket):
         if state.iter >= START and bucket.index() not in state.q_memory_dict:
-            qs, ps = [], 0
-            for p in bucket.parameters():
-                unit = units[names[id(p)]]
-                q = hook.compressor.initial_state(p.shape, p.dtype, p.device, hook.streams.shared(p.device, unit.key))
-                if q is not None:
-                    qs.append(q.reshape(-1))
-                    ps += p.shape[0] * q.shape[1]
+            qs = [initial[names[id(p)]] for p in bucket.parameters() if names[id(p)] in initial]
+            ps = sum(p.shape[0] * (hook.compressor.factor_rank(p.shape) or 0) for p in bucket.parameters())
             state.p_memory_dict[bucket.index()] = torch.empty(ps)
             state.q_memory_dict[bucket.index()] = torch.cat(qs)
         future = torch_powersgd.powerSGD_hook(state, bucket)
@@ -179,14 +246,14 @@ def _ours_and_torchs(rank: int, world_size: int, approximation_rank: int) -> dic
 
 
 def _vs_torch(rank: int, world_size: int) -> dict:
-    return {r: _ours_and_torchs(rank, world_size, r) for r in (1, 4)}
+    return {(r, g): _ours_and_torchs(rank, world_size, r, g) for r in (1, 4) for g in ("layer", "group")}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_on_real_ranks_matches_pytorchs_hook_keeps_error_feedback_exact_and_ranks_agree(world_size: int) -> None:
     results = run_ranks_once(_vs_torch, world_size)
-    for approximation_rank in (1, 4):
-        runs = [r[approximation_rank] for r in results]
+    for (approximation_rank, granularity), _ in results[0].items():
+        runs = [r[approximation_rank, granularity] for r in results]
         for run in runs:
             for step, (ours, theirs) in enumerate(zip(run["ours"], run["theirs"], strict=True)):
                 for name in ours:
@@ -200,6 +267,10 @@ def test_on_real_ranks_matches_pytorchs_hook_keeps_error_feedback_exact_and_rank
             # rank 4: only 3.weight gains enough ((n + m) 4 * 2 < n m), the rest goes dense
             floats = 35 + 320 + 42 + 50 if approximation_rank == 1 else 216 + 320 * 4 + 320 + 50
             assert [s.payload_bytes for s in run["history"]] == [0] * START + [4 * floats] * (STEPS - START)
+            # a group (one unit here, the cap is 25 MiB) sums its P's in one allreduce and its Q's in another;
+            # layer by layer each matrix takes two and each dense tensor one
+            collectives = 2 if granularity == "group" else (9 if approximation_rank == 1 else 7)
+            assert [s.collectives for s in run["history"]][START:] == [collectives] * (STEPS - START)
         for run in runs[1:]:
             for name, value in run["ours"][-1].items():
                 assert torch.equal(value, runs[0]["ours"][-1][name]), name

@@ -121,6 +121,9 @@ class Compressor(ABC):
             which sparse aggregators (gTop-k) can merge.
         needs_layer_shape: whether the compressor works on each parameter's own shape (matrices),
             so a flat unit (``granularity="model"`` or ``"group"``) would defeat it.
+        takes_shapes: whether :meth:`compress` takes ``shapes=``, the shapes of the parameters whose
+            gradients a flat unit concatenates, and compresses each as its own tensor (PowerSGD: one
+            matrix each, the unit's matrices summed together, so a group costs one collective per round).
         gatherable: whether one payload's bytes, gathered from every rank, decode to the average
             (what the allgather and gTop-k aggregators need); PowerSGD's second message depends on
             the sum of the first, so it is all-reduced only.
@@ -136,6 +139,7 @@ class Compressor(ABC):
     unbiased: ClassVar[bool]
     sparse: ClassVar[bool] = False
     needs_layer_shape: ClassVar[bool] = False
+    takes_shapes: ClassVar[bool] = False
     gatherable: ClassVar[bool] = True
     warm_started: ClassVar[bool] = False
     float_wire: ClassVar[bool] = False
@@ -228,12 +232,13 @@ class Compressor(ABC):
         return total
 
     def initial_state(
-        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+        self, shapes: tuple[torch.Size, ...], dtype: torch.dtype, device: torch.device, generator: torch.Generator
     ) -> Tensor | None:
         """A unit's warm start before its first compressed step (only called when :attr:`warm_started`).
 
-        ``generator`` is seeded alike on every rank (from the seed and the unit alone), so that
-        every rank starts from the same state. ``None``: this unit needs none.
+        ``shapes`` are the shapes of the unit's parameters (one for a unit of one parameter).
+        ``generator`` is seeded alike on every rank (from the seed and the unit alone), so that every
+        rank starts from the same state. ``None``: this unit needs none.
         """
         return None
 

@@ -14,12 +14,14 @@ does) and the warm start ``Q`` (``m x r``, the same on every rank):
 
 Both rounds are sums of float tensors, each share divided by the world size before the sum (so
 that a half-precision wire, :mod:`~lightning_gradcomp.compressors.precision`, cannot overflow),
-so the allreduce aggregator runs them
-(:meth:`PowerSGDCompressor.next_summable`); the compressor never touches a process group. A
-payload stands for ``M^`` once both rounds are done, so error feedback keeps ``e = M - M^``, the
-residual against the shared estimate, as in Algorithm 2 with ``DECOMPRESS`` of the aggregate and
-as PyTorch's hook does. Matrices the rank does not shrink enough (``(n + m) r *
-min_compression_rate >= n m``, PyTorch's rule) and vectors go dense in one round. Deliberate
+so the allreduce aggregator runs them (:meth:`PowerSGDCompressor.next_summable`); the compressor
+never touches a process group. A unit of several parameters sends all its matrices' ``P`` in one
+round and all their ``Q`` in the next (the hook passes the parameters' shapes), so a model costs
+two collectives per unit, not per matrix. A payload stands for ``M^`` once both rounds are done,
+so error feedback keeps ``e = M - M^``, the residual against the shared estimate, as in
+Algorithm 2 with ``DECOMPRESS`` of the aggregate and as PyTorch's hook does. Matrices the rank
+does not shrink enough (``(n + m) r * min_compression_rate >= n m``, PyTorch's rule) and vectors
+are summed exactly, in the first round. Deliberate
 differences from PyTorch's hook are listed in :class:`PowerSGDCompressor`.
 """
 
@@ -55,51 +57,87 @@ def orthogonalize_(matrix: Tensor, epsilon: float = 0.0) -> Tensor:
     return matrix.copy_(torch.linalg.qr(matrix).Q)
 
 
-@dataclass(eq=False)
-class LowRankPayload(Payload):
-    """One rank's part in PowerSGD's two rounds for one matrix, and once they are done the estimate ``P^ Q-^T``.
+@dataclass(frozen=True)
+class _Part:
+    """One parameter of a unit, sent as a rank-``r`` approximation (``matrix``, ``q``) or dense (``matrix`` None).
 
-    ``p`` is this rank's ``M Q`` (reduced in place by the first round), ``q`` the warm start that the
-    second round's mean replaces. ``nbytes`` is what the two rounds send, ``(n + m) r`` values.
+    ``span`` is where it sits in the unit's flat tensor, ``first`` where it sits in the first
+    round's summand (its values when dense, its ``P`` else), ``second`` where its ``M^T P^`` sits
+    in the second round's (matrices only).
     """
 
-    matrix: Tensor
-    p: Tensor
-    q: Tensor
+    span: slice
+    values: Tensor
+    first: slice
+    matrix: Tensor | None = None
+    q: Tensor | None = None
+    second: slice | None = None
+
+
+@dataclass(eq=False)
+class LowRankPayload(Payload):
+    """One rank's part in PowerSGD's two rounds for a unit's tensors, and once they are done the average.
+
+    The first round sums ``first`` (every matrix's ``M Q`` and every dense tensor's values, in the
+    parts' order), the second every matrix's ``M^T P^``: one collective per round for the whole
+    unit. ``warm_start`` is the unit's ``Q`` (every matrix's, flat and concatenated; the parts' ``q``
+    are views of it), which the second round's mean replaces. ``nbytes`` is what the two rounds
+    send: ``(n + m) r`` values per matrix, and the dense tensors.
+    """
+
     shape: torch.Size
+    parts: tuple[_Part, ...]
+    first: Tensor
+    second_numel: int
+    warm_start: Tensor
     epsilon: float
-    p_hat: Tensor | None = field(default=None)
-    q_mean: Tensor | None = field(default=None)
+    first_total: Tensor | None = field(default=None)
+    p_hats: list[Tensor] = field(default_factory=list)
+    mean: Tensor | None = field(default=None)
 
     @property
     def dtype(self) -> torch.dtype:  # type: ignore[override]
-        return self.matrix.dtype
+        return self.first.dtype
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return self.matrix.device
+        return self.first.device
 
     @property
     def nbytes(self) -> int:
-        return self.wire_nbytes(self.matrix.element_size())
+        return self.wire_nbytes(self.first.element_size())
 
     def wire_nbytes(self, float_itemsize: int) -> int:
-        return (self.p.numel() + self.q.numel()) * float_itemsize
+        return (self.first.numel() + self.second_numel) * float_itemsize
 
     def to_bytes(self) -> Tensor:
         raise TypeError("PowerSGD's two messages are all-reduced one after the other; they have no single wire form")
 
     def estimate(self) -> Tensor:
-        """``P^ Q-^T``, flat (after both rounds)."""
-        if self.p_hat is None or self.q_mean is None:
+        """The average over ranks, flat: ``P^ Q-^T`` for each matrix, the mean of each dense tensor."""
+        if self.mean is None:
             raise RuntimeError("the PowerSGD payload has not been aggregated yet (its rounds are not done)")
-        return (self.p_hat @ self.q_mean.T).reshape(-1)
+        return self.mean
+
+    def sent(self) -> Tensor:
+        """What of this rank's tensor reached the average: each matrix's shared ``P^ Q-^T`` (what error
+        feedback subtracts, as in Algorithm 2) and each dense tensor whole (it was summed exactly)."""
+        estimate = self.estimate()
+        dense = [part for part in self.parts if part.matrix is None]
+        if not dense:
+            return estimate
+        sent = estimate.clone()
+        for part in dense:
+            sent[part.span].copy_(part.values)
+        return sent
 
 
 class PowerSGDCompressor(Compressor):
-    """Low-rank approximation of each matrix by a warm-started power iteration (PowerSGD), two allreduces each.
+    """Low-rank approximation of each matrix by a warm-started power iteration (PowerSGD), two allreduces per unit.
 
-    Use it with ``memory="ef"`` (the paper's error feedback) and the allreduce aggregator.
+    Use it with ``memory="ef"`` (the paper's error feedback) and the allreduce aggregator. A unit of
+    several parameters (``granularity="group"``) is compressed matrix by matrix, and its matrices'
+    ``P`` (then ``Q``) travel in one allreduce, as PyTorch batches a bucket's.
 
     Args:
         rank: the approximation rank ``r`` (PyTorch's ``matrix_approximation_rank``); a matrix gets
@@ -112,20 +150,22 @@ class PowerSGDCompressor(Compressor):
     Differences from PyTorch's ``powerSGD_hook`` (``warm_start=True``, ``use_error_feedback=True``),
     each deliberate:
 
-    * state (``Q`` and the residual) is kept per parameter, not per DDP bucket, so it survives the
-      bucket rebuild after the first step and a restart (PyTorch needs ``start_powerSGD_iter > 1``
-      for that reason); the initial ``Q`` is drawn per parameter from the strategy's seed;
-    * every matrix's ``P`` and ``Q`` is all-reduced on its own, not batched per bucket: over three or
+    * state (``Q`` and the residual) is kept per unit and parameter, not per DDP bucket, so it
+      survives the bucket rebuild after the first step and a restart (PyTorch needs
+      ``start_powerSGD_iter > 1`` for that reason); the initial ``Q`` is drawn per unit from the
+      strategy's seed;
+    * what one allreduce carries is a unit, fixed by the parameters, not a bucket: over three or
       more ranks a float sum depends on where an element sits in the reduced tensor, which would
       tie the result to DDP's bucket layout;
-    * matrices too small to gain are averaged densely without error feedback (PyTorch keeps a
-      residual ``local - mean`` for them too, which the mean cancels);
+    * matrices too small to gain are summed with the first round's ``P``'s (PyTorch reduces them in
+      an allreduce of their own) and keep no residual (PyTorch keeps ``local - mean`` for them,
+      which the mean cancels);
     * with ``epsilon=0`` a zero column stays zero instead of turning the estimate into NaN.
     """
 
     name = "powersgd"
     unbiased = False
-    needs_layer_shape = True
+    takes_shapes = True
     gatherable = False
     warm_started = True
     float_wire = True
@@ -161,15 +201,17 @@ class PowerSGDCompressor(Compressor):
         return r if (n + m) * r * self.min_compression_rate < n * m else None
 
     def initial_state(
-        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+        self, shapes: tuple[torch.Size, ...], dtype: torch.dtype, device: torch.device, generator: torch.Generator
     ) -> Tensor | None:
-        """``Q`` (``m x r``) drawn from a standard normal with ``generator`` (seeded alike on every rank)."""
-        r = self.factor_rank(shape)
-        if r is None:
-            return None
-        m = shape.numel() // shape[0]
-        q = torch.randn(m, r, generator=generator, device=generator.device, dtype=torch.float32)
-        return q.to(device=device, dtype=dtype)
+        """Every matrix's ``Q`` (``m x r``) drawn in turn from a standard normal with ``generator`` (seeded
+        alike on every rank), flat and concatenated; ``None`` when the unit has no matrix to approximate."""
+        qs = []
+        for shape in shapes:
+            r = self.factor_rank(shape)
+            if r is not None:
+                m = shape.numel() // shape[0]
+                qs.append(torch.randn(m * r, generator=generator, device=generator.device, dtype=torch.float32))
+        return torch.cat(qs).to(device=device, dtype=dtype) if qs else None
 
     def compress(
         self,
@@ -177,54 +219,104 @@ class PowerSGDCompressor(Compressor):
         generator: torch.Generator | None = None,
         scale: Tensor | None = None,
         warm_start: Tensor | None = None,
+        shapes: tuple[torch.Size, ...] | None = None,
     ) -> Payload:
-        """``P = M Q`` with ``Q = orthogonalize(warm_start)`` (orthogonalised in place, as PyTorch does)."""
-        if self.factor_rank(x.shape) is None:
+        """``P = M Q`` for each matrix of ``x`` (``x`` itself, or the flat concatenation of tensors of
+        ``shapes``), with ``Q = orthogonalize(warm_start)`` (in place, as PyTorch does)."""
+        shapes = (x.shape,) if shapes is None else tuple(shapes)
+        if sum(shape.numel() for shape in shapes) != x.numel():
+            raise ValueError(f"shapes {[tuple(s) for s in shapes]} do not add up to the {x.numel()} elements of x")
+        ranks = [self.factor_rank(shape) for shape in shapes]
+        if all(r is None for r in ranks):
             return self._dense.compress(x)
-        if warm_start is None:
-            raise ValueError(f"PowerSGD needs the unit's warm start Q for a tensor of shape {tuple(x.shape)}")
-        matrix = x.reshape(x.shape[0], -1)
-        q = orthogonalize_(warm_start, self.epsilon)
-        return LowRankPayload(matrix, matrix @ q, q, x.shape, self.epsilon)
+        q_numel = sum(shape.numel() // shape[0] * r for shape, r in zip(shapes, ranks, strict=True) if r)
+        if warm_start is None or warm_start.numel() != q_numel:
+            raise ValueError(
+                f"PowerSGD needs the unit's warm start Q ({q_numel} values for shapes {[tuple(s) for s in shapes]}), "
+                f"got {None if warm_start is None else tuple(warm_start.shape)}"
+            )
+        flat, q_flat = x.reshape(-1), warm_start.view(-1)
+        parts, offset, first, second = [], 0, 0, 0
+        for shape, r in zip(shapes, ranks, strict=True):
+            span = slice(offset, offset + shape.numel())
+            values = flat[span]
+            if r is None:
+                parts.append(_Part(span, values, slice(first, first + values.numel())))
+                first += values.numel()
+            else:
+                n, m = shape[0], shape.numel() // shape[0]
+                q = orthogonalize_(q_flat[second : second + m * r].view(m, r), self.epsilon)
+                parts.append(
+                    _Part(
+                        span, values, slice(first, first + n * r), values.view(n, m), q, slice(second, second + m * r)
+                    )
+                )
+                first, second = first + n * r, second + m * r
+            offset = span.stop
+        summand = torch.empty(first, dtype=x.dtype, device=x.device)
+        for part in parts:
+            if part.matrix is None:
+                summand[part.first].copy_(part.values)
+            else:
+                assert part.q is not None
+                torch.matmul(part.matrix, part.q, out=summand[part.first].view(-1, part.q.shape[1]))
+        return LowRankPayload(x.shape, tuple(parts), summand, second, q_flat, self.epsilon)
 
     def summable(self, payload: Payload, world_size: int) -> Tensor:
         if isinstance(payload, DensePayload):
             return self._dense.summable(payload, world_size)
         assert isinstance(payload, LowRankPayload)
-        return payload.p.view(-1).div_(world_size)
+        return payload.first.div_(world_size)
 
     def next_summable(self, payload: Payload, total: Tensor, world_size: int) -> Tensor | None:
-        """After ``P``'s sum: ``Q_i = M^T orthogonalize(P)``; after ``Q``'s sum: done."""
-        if not isinstance(payload, LowRankPayload) or payload.p_hat is not None:
+        """After the first round's sum: ``M^T orthogonalize(P)`` for each matrix; after the second: done."""
+        if not isinstance(payload, LowRankPayload) or payload.first_total is not None:
             return None
-        payload.p_hat = orthogonalize_(total.view(payload.p.shape), payload.epsilon)
-        return (payload.matrix.T @ payload.p_hat).view(-1).div_(world_size)
+        payload.first_total = total
+        summand = torch.empty(payload.second_numel, dtype=payload.dtype, device=payload.device)
+        for part in payload.parts:
+            if part.matrix is not None:
+                assert part.q is not None and part.second is not None
+                r = part.q.shape[1]
+                p_hat = orthogonalize_(total[part.first].view(-1, r), payload.epsilon)
+                payload.p_hats.append(p_hat)
+                torch.matmul(part.matrix.T, p_hat, out=summand[part.second].view(-1, r))
+        return summand.div_(world_size)
 
     def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
-        """``P^ Q-^T``; ``Q-`` becomes the warm start (unless it is not finite: a NaN would stay forever)."""
+        """``P^ Q-^T`` for each matrix, the first round's mean for each dense tensor; ``Q-`` becomes the warm
+        start (unless it is not finite: a NaN would stay forever)."""
         if isinstance(payload, DensePayload):
             return total
-        assert isinstance(payload, LowRankPayload)
-        q_mean = total.view(payload.q.shape)
-        payload.q_mean = q_mean
-        if all_finite(q_mean):
-            payload.q.copy_(q_mean)
-        return payload.estimate()
+        assert isinstance(payload, LowRankPayload) and payload.first_total is not None
+        mean = torch.empty(payload.numel, dtype=payload.dtype, device=payload.device)
+        p_hats = iter(payload.p_hats)
+        for part in payload.parts:
+            target = mean[part.span]
+            if part.matrix is None:
+                target.copy_(payload.first_total[part.first])
+            else:
+                assert part.second is not None
+                p_hat = next(p_hats)
+                q_mean = total[part.second].view(-1, p_hat.shape[1])
+                torch.matmul(p_hat, q_mean.T, out=target.view(p_hat.shape[0], -1))
+        if all_finite(total):
+            payload.warm_start.copy_(total)
+        payload.mean = mean
+        return mean
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
         raise TypeError("PowerSGD payloads are all-reduced in two rounds, never gathered as bytes")
 
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
-        if isinstance(payload, DensePayload):
-            return out.add_(payload.values)
-        assert isinstance(payload, LowRankPayload)
-        return out.add_(payload.estimate())
+        return out.add_(self.decompress(payload))
 
     def decompress(self, payload: Payload) -> Tensor:
+        """What of this rank's tensor reached the average (:meth:`LowRankPayload.sent`)."""
         if isinstance(payload, DensePayload):
             return payload.values
         assert isinstance(payload, LowRankPayload)
-        return payload.estimate()
+        return payload.sent()
 
     def preferred_aggregator(self, world_size: int) -> str:
         return "allreduce"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -118,6 +119,10 @@ class WirePrecision(Compressor):
         return self.inner.needs_layer_shape
 
     @property
+    def takes_shapes(self) -> bool:  # type: ignore[override]
+        return self.inner.takes_shapes
+
+    @property
     def gatherable(self) -> bool:  # type: ignore[override]
         return self.inner.gatherable
 
@@ -142,11 +147,11 @@ class WirePrecision(Compressor):
         return self.inner.preferred_aggregator(world_size)
 
     def initial_state(
-        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+        self, shapes: tuple[torch.Size, ...], dtype: torch.dtype, device: torch.device, generator: torch.Generator
     ) -> Tensor | None:
-        return self.inner.initial_state(shape, dtype, device, generator)
+        return self.inner.initial_state(shapes, dtype, device, generator)
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, **kwargs: Tensor) -> CastPayload:
+    def compress(self, x: Tensor, generator: torch.Generator | None = None, **kwargs: Any) -> CastPayload:
         return CastPayload(self.inner.compress(x, generator, **kwargs), self.wire, not self.inner.gatherable)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> CastPayload:
