@@ -44,6 +44,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting)
     "ddp_atomo:no-dense-warmup": ("ddp_atomo", {"warmup_steps": 1}),
     "ddp_atomo:no-dense-warmup-budget-8": ("ddp_atomo", {"warmup_steps": 1, "compressor_kwargs": {"budget": 8}}),
+    # QSGD with s = 7 levels (Alistarh et al., 2017) under DIANA's shifts, and alone (the paper's own setting)
+    "ddp_diana:qsgd": ("ddp_diana", {"compressor": "qsgd"}),
+    "ddp_diana:qsgd-no-memory": ("ddp_diana", {"compressor": "qsgd", "memory": "none"}),
+    # random-k at Top-k's density and warm-up, unscaled with error feedback (Stich et al., NeurIPS 2018)
+    "ddp_topk:randomk": (
+        "ddp_topk",
+        {"compressor": "randomk", "density": 0.001, "compressor_kwargs": {"scaled": False}},
+    ),
     # PowerSGD compressed from step 2 on, as the PyTorch peer here is (start_powerSGD_iter=2): for timing side by side
     "ddp_powersgd:start-2": ("ddp_powersgd", {"warmup_steps": 2}),
     # the same, each matrix in units of its own: two collectives per matrix instead of two per group
