@@ -3,7 +3,9 @@
 Two ranks over gloo on loopback, one thread each, train the same model on the same batches with
 plain DDP, the dense baseline through the hook (``ddp_gradcomp_dense``) and every named strategy,
 one after the other in ONE launch, so the ratios are measured side by side. Each strategy runs
-with the hook ``GradCompStrategy`` installs for it (``build_hook``) on a hand-made DDP. Reported
+with the hook ``GradCompStrategy`` installs for it (``build_hook``) on a hand-made DDP, after its
+warm-ups (compressed from step 2, at its final density: a preset's dense first steps are plain
+DDP's and its density warm-up sends more; the steady state is what this measures). Reported
 per method: ms/step (best of ``--repeats`` timed runs of ``--steps`` steps, after warm-up), the
 ratio to plain DDP, the hook's own breakdown (``StepStats``: compress, communicate, decompress;
 ms/step, rank 0) and each rank's peak resident memory while the method ran (memory freed by the
@@ -35,10 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from methods import OURS
+from methods import OURS, strategy_arguments
 from workloads import build_model
 
-from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.examples.models import ResNet20
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
@@ -53,7 +55,9 @@ MODELS = {
         16,
     ),
 }
-METHODS = ("ddp", *OURS)
+METHODS = ("ddp", *OURS, "ddp_diana:qsgd", "ddp_topk:randomk")
+#: every preset after its warm-ups: its steady compressed state
+AFTER_WARMUPS = {"warmup_steps": 1, "density_warmup_steps": 0}
 
 
 def _kib(field: str) -> int:
@@ -70,7 +74,7 @@ def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: in
     ddp = DistributedDataParallel(model)
     hook = None
     if method != "ddp":
-        hook = GradCompStrategy(**NAMED_STRATEGIES[method][1]).build_hook(model)
+        hook = GradCompStrategy(**{**strategy_arguments(method), **AFTER_WARMUPS}).build_hook(model)
         ddp.register_comm_hook(hook, gradcomp_comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)

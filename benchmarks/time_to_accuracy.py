@@ -360,17 +360,21 @@ def _write(args: argparse.Namespace, out: dict) -> None:
 
 
 def plot(curves: dict, network: dict, targets: list[float], path: str, loopback: bool) -> None:
-    """Validation accuracy (mean over seeds) against wall-clock seconds on each link, one curve per method."""
+    """Validation accuracy (mean over seeds) against wall-clock seconds on each link, one curve per method
+    (PyTorch's hooks and the named strategies; the variants, ``preset:what``, are in the tables only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rates = [r for r in network["rates"] if r != "none" or loopback]
-    fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 6), squeeze=False)
+    methods = [m for m in curves["runs"] if ":" not in m]
+    colors = dict(zip(methods, plt.get_cmap("tab20").colors, strict=False))
     for ax, rate in zip(axes[0], rates, strict=True):
         measured = measurements(network, rate)
-        for method, runs in curves["runs"].items():
+        for method in methods:
+            runs = curves["runs"][method]
             if method not in measured:
                 continue
             by_step: dict[int, list[float]] = {}
@@ -380,7 +384,7 @@ def plot(curves: dict, network: dict, targets: list[float], path: str, loopback:
             steps = sorted(by_step)
             ax.plot([elapsed_seconds(measured[method], s) for s in steps], [statistics.mean(by_step[s]) for s in steps],
                     label=method, linewidth=2.2 if method == "dense" else 1.2,
-                    color="black" if method == "dense" else None)  # fmt: skip
+                    color="black" if method == "dense" else colors[method])  # fmt: skip
         for t in targets:
             ax.axhline(t, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
@@ -389,8 +393,9 @@ def plot(curves: dict, network: dict, targets: list[float], path: str, loopback:
         ax.set_ylabel("validation accuracy %")
         ax.set_title(f"{curves['model']}, {curves['ranks']} ranks, {rate}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=min(7, len(labels)))
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 

@@ -1,4 +1,4 @@
-"""Bytes per rank per step of every registered strategy, as the comm layer counts them.
+"""Bytes per rank per step of every named strategy and the QSGD and random-k variants, as the comm layer counts them.
 
 For P = 2, 4, 8 real gloo ranks and the parameter shapes of ResNet-20 and AlexNet (CIFAR
 variants), each named strategy's hook is built exactly as ``GradCompStrategy`` builds it
@@ -11,7 +11,8 @@ was sent:
 * sparse payloads: ``k * (32 + log2 d)`` bits per unit of ``d`` elements with ``k`` entries;
 * scaled signs: one bit per element plus one fp32 scale per unit;
 * ternary codes (TernGrad, the quantizer): ``log2(3)`` bits per element plus one fp32 scale per
-  unit (per block for the quantizer);
+  unit (per block for the quantizer); QSGD's levels: ``log2(2s + 1)`` bits per element plus one
+  fp32 norm per block;
 * ATOMO and PowerSGD: their payloads (floats have no smaller description here);
 * parameters left dense: 32 bits per element.
 
@@ -25,11 +26,13 @@ import json
 import math
 import os
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from methods import strategy_arguments
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
@@ -39,6 +42,8 @@ from lightning_gradcomp.hook import StepStats, gradcomp_comm_hook
 MODELS = {"resnet20": ResNet20, "alexnet": AlexNet}
 #: ATOMO's exact SVD of AlexNet's 4096 x 4096 layer takes tens of seconds per rank on a CPU.
 SKIP = {("alexnet", "ddp_atomo"): "SVD of 4096x4096 too slow on CPU ranks"}
+#: The methods without a named strategy of their own, measured as variants (see ``methods.py``).
+VARIANTS = ("ddp_diana:qsgd", "ddp_topk:randomk")
 
 
 def information_limit_bits(stats: StepStats, strategy: GradCompStrategy) -> float:
@@ -52,9 +57,10 @@ def information_limit_bits(stats: StepStats, strategy: GradCompStrategy) -> floa
             bits += layer.numel * math.log2(3) + 32
         elif name == "sign":
             bits += layer.numel + 32
-        elif name == "quantizer":
+        elif name in ("quantizer", "qsgd"):
             block = strategy.compressor.block_size or layer.numel
-            bits += layer.numel * math.log2(3) + 32 * math.ceil(layer.numel / block)
+            symbols = 2 * strategy.compressor.levels + 1 if name == "qsgd" else 3
+            bits += layer.numel * math.log2(symbols) + 32 * math.ceil(layer.numel / block)
         else:
             bits += 8 * layer.payload_bytes
     return bits
@@ -68,7 +74,7 @@ def _measure(model_name: str, strategy_name: str, world: int, steps: int) -> dic
     if strategy_name != "ddp":
         # the preset after its warm-ups (dense first steps, density warm-up): what its compressed steps send
         after_warmups = {"warmup_steps": 1, "density_warmup_steps": 0}
-        strategy = GradCompStrategy(**{**NAMED_STRATEGIES[strategy_name][1], **after_warmups})
+        strategy = GradCompStrategy(**{**strategy_arguments(strategy_name), **after_warmups})
         hook = strategy.build_hook(model)
         hook.track_layers = True
         ddp.register_comm_hook(hook, gradcomp_comm_hook)
@@ -93,7 +99,9 @@ def _measure(model_name: str, strategy_name: str, world: int, steps: int) -> dic
 def _worker(rank: int, world: int, strategies: list[str], models: list[str], steps: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=world, timeout=timedelta(minutes=10)
+    )
     rows = []
     for model_name in models:
         for strategy_name in strategies:
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--strategies", nargs="+", default=["ddp", *sorted(NAMED_STRATEGIES)])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", *sorted(NAMED_STRATEGIES), *VARIANTS])
     parser.add_argument("--steps", type=int, default=2, help="compressed steps averaged per strategy")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
