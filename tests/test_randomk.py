@@ -3,6 +3,7 @@ wire size, arguments; on real ranks with error feedback (the invariant) and DIAN
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from test_terngrad import Z_LIMIT, assert_unbiased
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import RandomKCompressor, SparsePayload
+from lightning_gradcomp.compressors.randomk import sample_indices
 from lightning_gradcomp.memory import Diana
 
 
@@ -41,6 +43,25 @@ def test_keeps_k_distinct_coordinates_scaled_by_d_over_k() -> None:
     # density 1 sends everything, unscaled
     everything = RandomKCompressor(1.0).compress(x, torch.Generator().manual_seed(1))
     assert torch.equal(RandomKCompressor(1.0).decompress(everything), x.reshape(-1))
+
+
+@pytest.mark.parametrize(("d", "k"), [(8, 2), (6, 3)])
+def test_every_k_subset_is_equally_likely(d: int, k: int) -> None:
+    """Chi-square over all C(d, k) subsets, for the sampler of first distinct draws (k <= d / 4) and the
+    permutation (k > d / 4); the 0.9999 quantile bounds the statistic of a uniform law (a test that
+    fails once in 10^4 runs by chance; the seed is fixed, so it never flakes)."""
+    subsets = {s: i for i, s in enumerate(itertools.combinations(range(d), k))}
+    trials, gen = 1000 * len(subsets), torch.Generator().manual_seed(d)
+    counts = torch.zeros(len(subsets))
+    for _ in range(trials):
+        indices = sample_indices(d, k, gen, torch.device("cpu"))
+        assert indices.numel() == k and indices.unique().numel() == k
+        counts[subsets[tuple(sorted(indices.tolist()))]] += 1
+    expected = trials / len(subsets)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    df = len(subsets) - 1  # the chi-square 0.9999 quantile, Wilson-Hilferty (within 1% at these df)
+    limit = df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < limit, (chi2, limit)
 
 
 def test_scaled_is_unbiased_with_the_exact_variance_bound() -> None:

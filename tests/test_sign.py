@@ -12,7 +12,7 @@ from test_hook import _make_hook, _train
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
 from lightning_gradcomp.compressors import ScaledSignCompressor, SignPayload
-from lightning_gradcomp.compressors.sign import pack_bits, unpack_bits
+from lightning_gradcomp.compressors.sign import pack_bits, signs_of
 from lightning_gradcomp.compressors.sparse import dense_of
 from lightning_gradcomp.memory import ErrorFeedback
 
@@ -22,7 +22,8 @@ def test_bits_pack_eight_per_byte_and_come_back(numel: int) -> None:
     bits = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
     packed = pack_bits(bits)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(numel / 8)
-    assert torch.equal(unpack_bits(packed, numel), bits)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert torch.equal(signs_of(packed, numel, dtype), torch.where(bits, 1.0, -1.0).to(dtype))
     # least significant bit first: element 0 is bit 0 of byte 0
     assert int(packed[0]) & 1 == int(bits[0])
 

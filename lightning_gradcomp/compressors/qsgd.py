@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Payload
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
-from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, working_dtype
+from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, stochastic_ternary, working_dtype
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 #: QSGD's default: 7 levels, the most that 4-bit codes hold, in blocks of 512 elements (the
@@ -133,8 +133,11 @@ class QSGDCompressor(BlockQuantizer):
         inverse = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
         u = scale_blocks_(g.abs(), inverse, block)
         level = u.floor()
-        level += torch.rand(u.shape, generator=generator, device=u.device, dtype=u.dtype) < (u - level)
-        codes = (level * g.sign()).to(torch.int8)
+        # one level up with probability frac(u_j): the ternary draw of sign(g_j) frac(u_j) against a scale of 1
+        # (8 random bits per element, exact for the fraction in fp32; see stochastic_ternary), added to the signed floor
+        fraction = u.sub_(level).to(torch.float32).copysign_(g)
+        up = stochastic_ternary(fraction, torch.ones(num_blocks(g.numel(), block)), block, generator)
+        codes = level.copysign_(g).to(torch.int8).add_(up)
         return LevelsPayload(codes, norms.to(torch.float32), x.shape, x.dtype, block, self.levels)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:

@@ -18,6 +18,7 @@ set bit is ``+``; ``sign(0)`` is sent as ``+``, error feedback keeps the differe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,36 +39,43 @@ def pack_bits(bits: Tensor) -> Tensor:
     return (rows * _BIT_WEIGHTS.to(rows.device)).sum(dim=1, dtype=torch.uint8)
 
 
-def unpack_bits(packed: Tensor, numel: int) -> Tensor:
-    """The first ``numel`` bits of :func:`pack_bits`'s output, as a bool tensor."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:numel].bool()
+@functools.cache
+def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Row ``b``: the 8 signs (+1 for a set bit, -1 else) that byte ``b`` packs, least significant first."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return (2 * bits - 1).to(dtype=dtype, device=device)
+
+
+def signs_of(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    """The first ``numel`` signs of :func:`pack_bits`'s output as +1/-1 in ``dtype``: one table lookup per
+    byte (8 elements), no intermediate bit tensor."""
+    table = _sign_table(dtype, packed.device)
+    return table.index_select(0, packed.to(torch.int32)).view(-1)[:numel]
 
 
 @dataclass(frozen=True)
 class SignPayload(Payload):
-    """``scale * (+1 where positive[j] else -1)`` for a tensor of ``shape``."""
+    """``scale * (+1 where the bit is set else -1)`` for a tensor of ``shape``; ``bits`` packed 8 per byte."""
 
     scale: Tensor
-    positive: Tensor
+    bits: Tensor
     shape: torch.Size
     dtype: torch.dtype
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return self.positive.device
+        return self.bits.device
 
     @property
     def nbytes(self) -> int:
         return 4 + (self.numel + 7) // 8
 
     def to_bytes(self) -> Tensor:
-        return to_bytes([self.scale.reshape(1).to(torch.float32), pack_bits(self.positive)])
+        return to_bytes([self.scale.reshape(1).to(torch.float32), self.bits])
 
     def add_to_(self, out: Tensor) -> Tensor:
-        """``out += scale * sign`` (flat ``out``), each element rounded once."""
-        scale = self.scale.to(out.dtype)
-        return out.add_(torch.where(self.positive, scale, -scale))
+        """``out += scale * sign`` (flat ``out``), each element rounded once (``+-scale`` is exact)."""
+        return out.addcmul_(signs_of(self.bits, self.numel, out.dtype), self.scale.to(out.dtype))
 
 
 class ScaledSignCompressor(Compressor):
@@ -87,7 +95,7 @@ class ScaledSignCompressor(Compressor):
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> SignPayload:
         flat = x.detach().reshape(-1)
         magnitude = flat.abs().sum(dtype=torch.float32) / max(1, flat.numel())
-        return SignPayload(magnitude, flat >= 0, x.shape, x.dtype)
+        return SignPayload(magnitude, pack_bits(flat >= 0), x.shape, x.dtype)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SignPayload:
         numel = shape.numel()
@@ -95,7 +103,7 @@ class ScaledSignCompressor(Compressor):
             raise ValueError(f"sign payload of {buffer.numel()} bytes, expected {self.payload_nbytes(shape, dtype)}")
         reader = ByteReader(buffer)
         scale = reader.take(1, torch.float32)[0]
-        return SignPayload(scale, unpack_bits(reader.take((numel + 7) // 8, torch.uint8), numel), shape, dtype)
+        return SignPayload(scale, reader.take((numel + 7) // 8, torch.uint8), shape, dtype)
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         return 4 + (shape.numel() + 7) // 8
