@@ -58,6 +58,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_powersgd:start-2-layer": ("ddp_powersgd", {"warmup_steps": 2, "granularity": "layer"}),
 }
 DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
+#: Methods with no named strategy of their own, measured as variants next to the presets (QSGD, random-k).
+UNNAMED_METHODS = ("ddp_diana:qsgd", "ddp_topk:randomk")
+#: What makes a preset start in its steady compressed state: compressed from step 2, at its final density.
+AFTER_WARMUPS: dict[str, Any] = {"warmup_steps": 1, "density_warmup_steps": 0}
 
 
 def strategy_arguments(method: str) -> dict[str, Any]:

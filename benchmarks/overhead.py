@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from methods import OURS, strategy_arguments
+from methods import AFTER_WARMUPS, OURS, UNNAMED_METHODS, strategy_arguments
 from workloads import build_model
 
 from lightning_gradcomp import GradCompStrategy
@@ -55,9 +55,7 @@ MODELS = {
         16,
     ),
 }
-METHODS = ("ddp", *OURS, "ddp_diana:qsgd", "ddp_topk:randomk")
-#: every preset after its warm-ups: its steady compressed state
-AFTER_WARMUPS = {"warmup_steps": 1, "density_warmup_steps": 0}
+METHODS = ("ddp", *OURS, *UNNAMED_METHODS)
 
 
 def _kib(field: str) -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from methods import strategy_arguments
+from methods import AFTER_WARMUPS, UNNAMED_METHODS, strategy_arguments
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
@@ -42,8 +42,6 @@ from lightning_gradcomp.hook import StepStats, gradcomp_comm_hook
 MODELS = {"resnet20": ResNet20, "alexnet": AlexNet}
 #: ATOMO's exact SVD of AlexNet's 4096 x 4096 layer takes tens of seconds per rank on a CPU.
 SKIP = {("alexnet", "ddp_atomo"): "SVD of 4096x4096 too slow on CPU ranks"}
-#: The methods without a named strategy of their own, measured as variants (see ``methods.py``).
-VARIANTS = ("ddp_diana:qsgd", "ddp_topk:randomk")
 
 
 def information_limit_bits(stats: StepStats, strategy: GradCompStrategy) -> float:
@@ -73,8 +71,7 @@ def _measure(model_name: str, strategy_name: str, world: int, steps: int) -> dic
     strategy = None
     if strategy_name != "ddp":
         # the preset after its warm-ups (dense first steps, density warm-up): what its compressed steps send
-        after_warmups = {"warmup_steps": 1, "density_warmup_steps": 0}
-        strategy = GradCompStrategy(**{**strategy_arguments(strategy_name), **after_warmups})
+        strategy = GradCompStrategy(**{**strategy_arguments(strategy_name), **AFTER_WARMUPS})
         hook = strategy.build_hook(model)
         hook.track_layers = True
         ddp.register_comm_hook(hook, gradcomp_comm_hook)
@@ -119,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--strategies", nargs="+", default=["ddp", *sorted(NAMED_STRATEGIES), *VARIANTS])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", *sorted(NAMED_STRATEGIES), *UNNAMED_METHODS])
     parser.add_argument("--steps", type=int, default=2, help="compressed steps averaged per strategy")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

@@ -136,7 +136,8 @@ class QSGDCompressor(BlockQuantizer):
         # one level up with probability frac(u_j): the ternary draw of sign(g_j) frac(u_j) against a scale of 1
         # (8 random bits per element, exact for the fraction in fp32; see stochastic_ternary), added to the signed floor
         fraction = u.sub_(level).to(torch.float32).copysign_(g)
-        up = stochastic_ternary(fraction, torch.ones(num_blocks(g.numel(), block)), block, generator)
+        ones = torch.ones(num_blocks(g.numel(), block), device=g.device)
+        up = stochastic_ternary(fraction, ones, block, generator)
         codes = level.copysign_(g).to(torch.int8).add_(up)
         return LevelsPayload(codes, norms.to(torch.float32), x.shape, x.dtype, block, self.levels)
 
