@@ -35,18 +35,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # DGC's momentum correction (momentum 0.9 on each rank before sparsifying; the optimizer adds none to
     # the compressed parameters)
     "ddp_topk:momentum-correction": ("ddp_topk", {"memory_kwargs": {"momentum": 0.9}}),
-    # DIANA's quantizer without the shifts h_i: the memoryless baseline of Mishchenko et al.'s comparison
+    # DIANA's QSGD without the shifts h_i: the memoryless baseline of Mishchenko et al.'s comparison (QSGD alone)
     "ddp_diana:no-memory": ("ddp_diana", {"memory": "none"}),
-    # DIANA with smaller quantizer blocks: omega = (sqrt(d) - 1) / 2 falls from 15.5 (1024) to 5.2 and 2.3
-    "ddp_diana:block-128": ("ddp_diana", {"compressor_kwargs": {"block_size": 128}}),
-    "ddp_diana:block-32": ("ddp_diana", {"compressor_kwargs": {"block_size": 32}}),
+    # the first DIANA preset: inf-norm ternary quantizer, blocks of 1024 (omega = 15.5); without the
+    # shifts, and with smaller blocks (omega 5.2 and 2.3)
+    "ddp_diana:ternary": ("ddp_diana", {"compressor": "quantizer"}),
+    "ddp_diana:ternary-no-memory": ("ddp_diana", {"compressor": "quantizer", "memory": "none"}),
+    "ddp_diana:ternary-block-128": ("ddp_diana", {"compressor": "quantizer", "compressor_kwargs": {"block_size": 128}}),
+    "ddp_diana:ternary-block-32": ("ddp_diana", {"compressor": "quantizer", "compressor_kwargs": {"block_size": 32}}),
     # the ATOMO preset before issue 14: compressed from step 2 on; and with a larger budget instead
     # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting)
     "ddp_atomo:no-dense-warmup": ("ddp_atomo", {"warmup_steps": 1}),
     "ddp_atomo:no-dense-warmup-budget-8": ("ddp_atomo", {"warmup_steps": 1, "compressor_kwargs": {"budget": 8}}),
-    # QSGD with s = 7 levels (Alistarh et al., 2017) under DIANA's shifts, and alone (the paper's own setting)
-    "ddp_diana:qsgd": ("ddp_diana", {"compressor": "qsgd"}),
-    "ddp_diana:qsgd-no-memory": ("ddp_diana", {"compressor": "qsgd", "memory": "none"}),
     # random-k at Top-k's density and warm-up, unscaled with error feedback (Stich et al., NeurIPS 2018)
     "ddp_topk:randomk": (
         "ddp_topk",
@@ -58,8 +58,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_powersgd:start-2-layer": ("ddp_powersgd", {"warmup_steps": 2, "granularity": "layer"}),
 }
 DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
-#: Methods with no named strategy of their own, measured as variants next to the presets (QSGD, random-k).
-UNNAMED_METHODS = ("ddp_diana:qsgd", "ddp_topk:randomk")
+#: Methods with no named strategy of their own, measured as variants next to the presets (DIANA's
+#: ternary quantizer, random-k).
+UNNAMED_METHODS = ("ddp_diana:ternary", "ddp_topk:randomk")
 #: What makes a preset start in its steady compressed state: compressed from step 2, at its final density.
 AFTER_WARMUPS: dict[str, Any] = {"warmup_steps": 1, "density_warmup_steps": 0}
 

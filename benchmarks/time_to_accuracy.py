@@ -274,7 +274,9 @@ def load_curves(paths: list[str]) -> dict:
     """The curves of several ``train`` runs of the same setting, merged by method and seed.
 
     Methods may have different seeds (a run stopped early, variants run on fewer seeds): every
-    comparison pairs a method with plain DDP on the seeds the method has, and says how many.
+    comparison pairs a method with plain DDP on the seeds the method has, and says how many. A
+    (method, seed) in several files must have the same curve there (runs are deterministic):
+    otherwise the files measured different code, and ``ValueError`` says which.
     """
     curves = json.loads(Path(paths[0]).read_text())
     for path in paths[1:]:
@@ -284,7 +286,9 @@ def load_curves(paths: list[str]) -> dict:
                 raise ValueError(f"{path} has {key}={more.get(key)!r}, {paths[0]} {curves.get(key)!r}: not comparable")
         for method, runs in more["runs"].items():
             for seed, run in runs.items():
-                curves["runs"].setdefault(method, {}).setdefault(seed, run)
+                known = curves["runs"].setdefault(method, {}).setdefault(seed, run)
+                if [list(point) for point in known["curve"]] != [list(point) for point in run["curve"]]:
+                    raise ValueError(f"{method} seed {seed} has different curves in {path} and an earlier file")
     missing = sorted(set().union(*(set(runs) for runs in curves["runs"].values())) - set(curves["runs"]["dense"]))
     if missing:
         raise ValueError(f"plain DDP has no run for seeds {missing}: nothing to pair those with")
@@ -409,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     t.add_argument("--ranks", type=int, default=4)
     t.add_argument("--batch", type=int, default=32, help="images per rank per step (network.py's default)")
-    t.add_argument("--steps", type=int, default=500)
+    t.add_argument("--steps", type=int, default=600, help="optimizer steps (600: the tables' setting)")
     t.add_argument("--eval-every", type=int, default=20)
     t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--momentum", type=float, default=0.9)

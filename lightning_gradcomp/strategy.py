@@ -81,8 +81,9 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "ddp_diana": (
-        "DIANA: compressed gradient differences with per-rank shifts, block inf-norm 2-bit quantizer, last layer dense",
-        {"compressor": "quantizer", "memory": "diana", "aggregator": "allgather", **_LAST_LAYER_DENSE},
+        "DIANA: compressed gradient differences with per-rank shifts, QSGD with 7 levels (4 bits per element, a "
+        "2-norm per block of 512), last layer dense",
+        {"compressor": "qsgd", "memory": "diana", "aggregator": "allgather", **_LAST_LAYER_DENSE},
     ),
     "ddp_efsign": (
         "EF-SignSGD: scaled signs (1 bit per element, one scale per layer) with error feedback, allgather of "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -413,13 +414,24 @@ def test_spectral_decomposition_of_a_rank_deficient_matrix_keeps_every_atom_exac
     assert torch.equal(zero[1], torch.zeros(4)) and torch.equal(zero[2], torch.zeros(4, 9))
 
 
-def test_spectral_decomposition_falls_back_to_the_svd_when_the_eigensolver_fails(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # LAPACK's syevd failed to converge on a LeNet-5 gradient's Gram matrix during a 600-step run
-    def failing_eigh(*args: object, **kwargs: object) -> None:
-        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+def _raising_eigh(*args: object, **kwargs: object) -> None:
+    raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
 
+
+def _nan_eigh(a: torch.Tensor, *args: object, **kwargs: object) -> object:
+    values, vectors = _REAL_EIGH(a)
+    return torch.return_types.linalg_eigh((values.fill_(math.nan), vectors.fill_(math.nan)))
+
+
+_REAL_EIGH = torch.linalg.eigh
+
+
+@pytest.mark.parametrize("failing_eigh", [_raising_eigh, _nan_eigh], ids=["raises", "returns-nan"])
+def test_spectral_decomposition_falls_back_to_the_svd_when_the_eigensolver_fails(
+    monkeypatch: pytest.MonkeyPatch, failing_eigh: object
+) -> None:
+    # LAPACK's syevd failed to converge on a LeNet-5 gradient's Gram matrix during a 600-step run, and
+    # on another returned NaN without raising (MKL, one thread)
     gen = torch.Generator().manual_seed(0)
     for shape in ((12, 40), (40, 12)):
         matrix = torch.randn(*shape, generator=gen, dtype=torch.float64)
@@ -430,3 +442,28 @@ def test_spectral_decomposition_falls_back_to_the_svd_when_the_eigensolver_fails
         torch.testing.assert_close(u @ torch.diag(s) @ vh, matrix, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(s, expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(u.T @ u, torch.eye(u.shape[1], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_the_gradient_whose_gram_matrix_mkl_returned_nan_for_compresses_to_finite_unbiased_atoms() -> None:
+    """A LeNet-5 fc1 gradient (rank 0 of 4, seed 7, step 145 of a ddp_atomo run: 38 dead units) on
+    which MKL's one-thread ``eigh`` of the Gram matrix gives NaN eigenvectors and no error: ATOMO's
+    NaN reached every rank's average and the run fell to chance accuracy."""
+    fixture = torch.load(Path(__file__).parent / "data" / "lenet_fc1_gradient_eigh_nan.pt", weights_only=True)
+    x = torch.zeros(int(fixture["shape"].prod())).index_put_((fixture["indices"].long(),), fixture["values"])
+    x = x.reshape(fixture["shape"].tolist())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        u, sigma, vh = spectral_decomposition(x)
+        compressor, gen = AtomoCompressor(3), torch.Generator().manual_seed(0)
+        mean = torch.zeros_like(x, dtype=torch.float64)
+        draws = 400
+        for _ in range(draws):
+            mean += compressor.decompress(compressor.compress(x, gen)).double().reshape(x.shape) / draws
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(u @ torch.diag(sigma) @ vh, x, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sigma, torch.linalg.svdvals(x.double()).float(), rtol=0, atol=1e-6)
+    # unbiased: the mean of 400 draws is within Z standard errors of x in norm (variance exact, Sec. 3)
+    variance = float(sampling_variance(sigma.double(), atomo_probabilities(sigma.double(), 3)))
+    assert float((mean - x.double()).pow(2).sum()) < Z**2 * variance / draws

@@ -138,3 +138,20 @@ def test_final_accuracy_is_the_mean_over_the_last_steps() -> None:
     assert tta.final_accuracy(curve, 1000) == 96.0
     curves = _curves({"dense": {"0": {"curve": curve}}, "ddp_topk": {"0": {"curve": [(20, 80.0), (80, 97.0)]}}})
     assert tta.parity(curves, 0.5, window=40)["ddp_topk"]["difference"] == pytest.approx(97.0 - 98.5)
+
+
+def test_load_curves_merges_files_and_refuses_two_different_curves_for_one_run(tmp_path: Path) -> None:
+    setting = {"model": "lenet", "ranks": 4, "batch": 32, "lr": 0.05, "steps": 20, "eval_every": 10, "holdout": 2000}
+    dense = {"curve": [[10, 90.0], [20, 95.0]]}
+    first = tmp_path / "a.json"
+    first.write_text(
+        json.dumps({**setting, "runs": {"dense": {"0": dense}, "ddp_topk": {"0": {"curve": [[10, 91.0]]}}}})
+    )
+    second = tmp_path / "b.json"
+    second.write_text(json.dumps({**setting, "runs": {"dense": {"0": dense, "1": dense}}}))
+    merged = tta.load_curves([str(first), str(second)])
+    assert merged["seeds"] == [0, 1] and set(merged["runs"]) == {"dense", "ddp_topk"}
+    third = tmp_path / "c.json"
+    third.write_text(json.dumps({**setting, "runs": {"dense": {"0": {"curve": [[10, 90.0], [20, 95.5]]}}}}))
+    with pytest.raises(ValueError, match=r"dense seed 0 has different curves in .*c\.json"):
+        tta.load_curves([str(first), str(third)])

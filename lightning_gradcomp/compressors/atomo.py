@@ -211,9 +211,9 @@ def spectral_decomposition(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     gets ``v_i = 0`` and probability 0.
 
     Any orthonormal ``U`` keeps that identity, which is what the fallback uses: when LAPACK's
-    symmetric eigensolver fails to converge on an ill-conditioned Gram matrix (seen on LeNet-5's
-    gradients), the basis comes from an SVD of ``A`` itself. (Non-finite gradients never get here:
-    :meth:`AtomoCompressor.compress` sends them on as they are.)
+    symmetric eigensolver fails on an ill-conditioned Gram matrix (no convergence, or non-finite
+    eigenvectors: both seen on LeNet-5's gradients), the basis comes from an SVD of ``A`` itself.
+    (Non-finite gradients never get here: :meth:`AtomoCompressor.compress` sends them on as they are.)
     """
     m, n = matrix.shape
     wide = m <= n
@@ -230,11 +230,19 @@ def spectral_decomposition(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _orthonormal_basis(a: Tensor) -> Tensor:
-    """Eigenvectors of ``a a^T`` (``a`` wide), or the left singular vectors of ``a`` if the eigensolver fails."""
+    """Eigenvectors of ``a a^T`` (``a`` wide), or the left singular vectors of ``a`` if the eigensolver fails.
+
+    It fails in two ways, both seen on LeNet-5's gradients: it raises (no convergence), or, with
+    MKL's solver on one thread and a rank-deficient Gram matrix (a layer with dead units), it
+    returns NaN eigenvectors without raising, which would poison every rank's average.
+    """
     try:
-        return torch.linalg.eigh(a @ a.T).eigenvectors  # orthonormal, ascending eigenvalues
+        basis = torch.linalg.eigh(a @ a.T).eigenvectors  # orthonormal, ascending eigenvalues
+        if bool(torch.isfinite(basis).all()):
+            return basis
     except torch.linalg.LinAlgError:
-        return torch.linalg.svd(a, full_matrices=False).U
+        pass
+    return torch.linalg.svd(a, full_matrices=False).U
 
 
 class AtomoCompressor(Compressor):
