@@ -52,6 +52,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "ddp_topk",
         {"compressor": "randomk", "density": 0.001, "compressor_kwargs": {"scaled": False}},
     ),
+    # hierarchy="node" (dense inside a node, compressed between nodes; network.py --nodes): the node's local
+    # ranks share the units (sharded), or local rank 0 compresses them all (leader)
+    **{
+        f"{preset}:node{suffix}": (preset, {"hierarchy": "node", "hierarchy_scheme": scheme})
+        for preset in ("ddp_gradcomp_dense", "ddp_topk", "ddp_gtopk", "ddp_terngrad")
+        for suffix, scheme in (("", "sharded"), ("-leader", "leader"))
+    },
     # PowerSGD compressed from step 2 on, as the PyTorch peer here is (start_powerSGD_iter=2): for timing side by side
     "ddp_powersgd:start-2": ("ddp_powersgd", {"warmup_steps": 2}),
     # the same, each matrix in units of its own: two collectives per matrix instead of two per group

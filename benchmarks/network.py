@@ -18,6 +18,17 @@ method whose compression and decoding cost nothing and whose bytes fill the link
 and always deletes its own namespaces, and uses only addresses it assigns inside them.
 
     sudo python benchmarks/network.py --ranks 4 --rate 100mbit --json results/network.json
+
+``--nodes N --ranks-per-node L`` emulates a cluster instead: one namespace per *node*, its L ranks
+talking over that namespace's own loopback (unshaped, the fast link inside a node), the nodes
+joined through the bridge by links shaped to ``--rate`` (the slow links between nodes). Every
+rank gets its node's ``GROUP_RANK`` and ``LOCAL_RANK`` as under ``torchrun --nnodes N``, which
+``hierarchy="node"`` reads. Each node also counts the bytes its link actually transmitted
+(``/sys/class/net/eth0/statistics/tx_bytes``, headers included) during the timed steps:
+``link_bytes_per_step`` in the JSON, summed over nodes, is what crossed the slow links.
+
+    sudo python benchmarks/network.py --nodes 2 --ranks-per-node 2 --rate 100mbit \
+        --methods dense,ddp_topk,ddp_topk:node --json results/network_nodes.json
 """
 
 from __future__ import annotations
@@ -59,6 +70,10 @@ class Result:
     density_warmup_steps: int = 0
     warmup_seconds_per_step: float | None = None
     dense_steps: int = 1
+    #: bytes this rank handed to collectives inside its node (``hierarchy="node"``), per timed step
+    bytes_sent_intra_node_per_step: float | None = None
+    #: bytes every node's link to the others transmitted per timed step, summed over nodes
+    link_bytes_per_step: float | None = None
     note: str = ""
 
 
@@ -68,6 +83,11 @@ def _batches(rank: int, batch: int, count: int, shape: tuple[int, ...]):
     gen = torch.Generator().manual_seed(1000 + rank)
     return [(torch.randn(batch, *shape, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
             for _ in range(count)]  # fmt: skip
+
+
+def _link_tx_bytes() -> int:
+    """Bytes this namespace's link (eth0) has transmitted so far."""
+    return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -112,7 +132,11 @@ def worker(args: argparse.Namespace) -> None:
         warmup_seconds = run(0, early) / early if early > 1 else None
         untimed = 0 if early > 1 else args.warmup
         run(early, untimed)
+        tx_before = _link_tx_bytes()
         elapsed = run(early + untimed, args.steps)
+        # every rank of a node reads the same link: count each node's once, at its local rank 0
+        tx = torch.tensor([float(_link_tx_bytes() - tx_before) if int(os.environ["LOCAL_RANK"]) == 0 else 0.0])
+        dist.all_reduce(tx)
         if rank == 0:
             print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
         timed = [s for s in hook.history if s.compressed][-args.steps :] if hook is not None else []
@@ -124,6 +148,10 @@ def worker(args: argparse.Namespace) -> None:
                 bytes_sent_per_step=sum(s.bytes_sent for s in timed) / len(timed) if timed else None,
                 dense_bytes_per_step=sum(s.dense_bytes for s in timed) / len(timed) if timed else None,
                 bytes_received_per_step=sum(s.bytes_received for s in timed) / len(timed) if timed else None,
+                bytes_sent_intra_node_per_step=sum(s.bytes_sent_intra_node for s in timed) / len(timed)
+                if timed
+                else None,
+                link_bytes_per_step=float(tx) / args.steps,
                 density_warmup_steps=density_warmup,
                 warmup_seconds_per_step=warmup_seconds,
                 dense_steps=dense_steps,
@@ -154,12 +182,14 @@ def single_process_throughput(args: argparse.Namespace) -> float:
 
 
 class Network:
-    """P namespaces on one bridge, each link shaped both ways to ``rate`` (``"none"``: unshaped); deleted on exit."""
+    """``nodes`` namespaces on one bridge, each link shaped both ways to ``rate`` (``"none"``: unshaped), with
+    ``ranks_per_node`` ranks in each (talking over its loopback inside the node); deleted on exit."""
 
-    def __init__(self, ranks: int, rate: str) -> None:
+    def __init__(self, nodes: int, rate: str, ranks_per_node: int = 1) -> None:
         self.tag = f"gc{os.getpid() % 100000}"
         self.bridge_ns = f"{self.tag}br"
-        self.rank_ns = [f"{self.tag}r{i}" for i in range(ranks)]
+        self.rank_ns = [f"{self.tag}r{i}" for i in range(nodes)]
+        self.ranks_per_node = ranks_per_node
         self.rate = rate
         atexit.register(self.delete)
 
@@ -195,9 +225,14 @@ class Network:
 
     def launch(self, args: argparse.Namespace, out: str) -> None:
         procs = []
-        for rank, ns in enumerate(self.rank_ns):
+        world = len(self.rank_ns) * self.ranks_per_node
+        for rank in range(world):
+            node, local = divmod(rank, self.ranks_per_node)
+            ns = self.rank_ns[node]
             env = dict(os.environ, MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(PORT), RANK=str(rank),
-                       WORLD_SIZE=str(len(self.rank_ns)), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
+                       WORLD_SIZE=str(world), GROUP_RANK=str(node), LOCAL_RANK=str(local),
+                       LOCAL_WORLD_SIZE=str(self.ranks_per_node), GLOO_SOCKET_IFNAME="eth0",
+                       OMP_NUM_THREADS="1")  # fmt: skip
             cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--out", out,
                    "--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--batch", str(args.batch), "--width", str(args.width), "--model", args.model]  # fmt: skip
@@ -237,7 +272,9 @@ def step_limit(dense_unshaped_s: float | None, received_bytes: float | None, rat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks, each in a namespace of its own")
+    parser.add_argument("--nodes", type=int, help="emulated nodes (namespaces), with --ranks-per-node ranks each")
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks in each of --nodes")
     parser.add_argument(
         "--rate",
         action="append",
@@ -258,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.nodes is not None:
+        if args.nodes < 2 or args.ranks_per_node < 1:
+            parser.error("--nodes must be >= 2 and --ranks-per-node >= 1")
+        args.ranks = args.nodes * args.ranks_per_node
     if args.ranks < 2 or args.steps < 1 or args.warmup < 2:
         parser.error("--ranks must be >= 2, --steps >= 1 and --warmup >= 2")
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
@@ -270,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     # a SIGTERM (e.g. from `timeout`) must still run the namespace clean-up in `finally` and atexit
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     single = single_process_throughput(args)
-    report: dict[str, Any] = {"ranks": args.ranks, "batch": args.batch, "model": args.model, "width": args.width,
-                              "single_process_images_per_s": single, "rates": {}}  # fmt: skip
+    report: dict[str, Any] = {"ranks": args.ranks, "nodes": args.nodes, "batch": args.batch, "model": args.model,
+                              "width": args.width, "single_process_images_per_s": single, "rates": {}}  # fmt: skip
     rates = args.rate or ["100mbit", "1gbit"]
     for rate in rates:
-        network = Network(args.ranks, rate)
+        network = Network(args.nodes, rate, args.ranks_per_node) if args.nodes else Network(args.ranks, rate)
         try:
             network.create()
             with tempfile.TemporaryDirectory() as tmp:
@@ -287,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     dense_unshaped = next((r["seconds_per_step"] for r in unshaped if r["method"] == "dense"), None)
     for rate, results in report["rates"].items():
         dense = next((r["images_per_s"] for r in results if r["method"] == "dense"), None)
-        table = Table(title=f"{args.model}, {args.ranks} ranks, links shaped to {rate}, batch {args.batch}/rank, "
+        layout = f"{args.nodes} nodes x {args.ranks_per_node} ranks" if args.nodes else f"{args.ranks} ranks"
+        table = Table(title=f"{args.model}, {layout}, links shaped to {rate}, batch {args.batch}/rank, "
                             f"single process {single:.0f} img/s")  # fmt: skip
         columns = ("method", "img/s", "s/step", "limit s/step", "x limit", "scaling eff.", "x dense",
-                   "bytes sent/step", "received/step", "ratio", "note")  # fmt: skip
+                   "bytes sent/step", "received/step", "ratio", "link bytes/step", "note")  # fmt: skip
         for column in columns:
             table.add_column(column, justify="left" if column in ("method", "note") else "right")
         for r in results:
@@ -304,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['scaling_efficiency']:.3f}" if r["scaling_efficiency"] else "-",
                 f"{r['speedup_vs_dense']:.2f}" if r["speedup_vs_dense"] else "-",
                 f"{sent:,.0f}" if sent else "-", f"{received:,.0f}" if received else "-",
-                f"{r['dense_bytes_per_step'] / sent:.1f}x" if sent else "-", r["note"],
+                f"{r['dense_bytes_per_step'] / sent:.1f}x" if sent else "-",
+                f"{r['link_bytes_per_step']:,.0f}" if r.get("link_bytes_per_step") is not None else "-", r["note"],
             )  # fmt: skip
         Console().print(table)
     if args.json:

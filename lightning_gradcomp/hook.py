@@ -1,4 +1,4 @@
-"""One DDP communication hook: bucket -> units -> memory -> compressor -> aggregator -> memory -> bucket.
+"""One DDP communication hook: bucket -> units -> (node) -> memory -> compressor -> aggregator -> memory -> bucket.
 
 A gradient's trip through :class:`GradCompHook`, top to bottom:
 
@@ -9,7 +9,12 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
    future stays open until every unit touching it is done, so what is compressed together, and
    how it is summed, never depends on DDP's bucket layout, which changes after the first step
    and again after every restart.
-2. Once all of a unit's gradients have arrived, the memory hands over the tensor to compress
+2. Once all of a unit's gradients have arrived, the topology (:mod:`lightning_gradcomp.comm.hierarchy`)
+   decides who compresses it: by default every rank its own gradient; with ``hierarchy="node"``
+   the node's ranks first sum it densely over their fast links, and one rank per node, the unit's
+   owner, compresses the node's sum for the slow links between nodes (steps 3-6 run on owners
+   only, and the aggregator's collectives span the owners).
+   The memory hands over the tensor to compress
    (``grad + residual`` under error feedback, ``grad - h_i`` under DIANA).
 3. Units whose compressor shares a scale agree on it with one MAX allreduce.
 4. Each compressed unit is compressed with its own random stream, a pure function of
@@ -27,8 +32,10 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
    issued from the hook, launches and landings in bucket order, so every rank issues the same
    ones in the same order.
 6. When it lands, the memory turns the average into the gradient estimate, written straight into
-   the bucket, and moves on with what was sent (:meth:`~lightning_gradcomp.memory.Memory.finish_`);
-   every bucket whose units are all done has its future completed.
+   the bucket, and moves on with what was sent (:meth:`~lightning_gradcomp.memory.Memory.finish_`).
+   Under ``hierarchy="node"`` the owner then shares the estimate with its node (one exact sum
+   over the node, the other ranks adding zeros). Every bucket whose units are all done has its
+   future completed.
 
 During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does, and so
 is every step of the identity compressor without memory (the dense baseline): on those steps the
@@ -52,6 +59,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution, Pending
+from lightning_gradcomp.comm.hierarchy import FlatTopology, NodeTopology
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, all_finite
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
@@ -69,6 +77,9 @@ class StepStats:
     ``dense_bytes`` is what plain DDP hands to allreduce for the same buckets; ``bytes_sent`` what
     this hook handed to collectives (padding and size exchanges included), so
     ``compression_ratio = dense_bytes / bytes_sent`` is measured, not computed from a formula.
+    Under ``hierarchy="node"`` the dense sums and shares inside the node are counted apart, in
+    ``bytes_sent_intra_node`` / ``bytes_received_intra_node``: ``bytes_sent`` is then what this rank
+    handed to collectives between nodes.
     ``nonfinite_units`` counts units whose average held NaN/Inf: their memory was left as it was.
     ``selected`` counts the entries of sparse payloads. ``layers`` (with ``track_layers``) and
     ``captures`` (after :meth:`GradCompHook.request_capture`) are filled for the diagnostics.
@@ -83,6 +94,8 @@ class StepStats:
     dense_bytes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_sent_intra_node: int = 0
+    bytes_received_intra_node: int = 0
     collectives: int = 0
     seconds_compress: float = 0.0
     seconds_communicate: float = 0.0
@@ -133,13 +146,15 @@ class Capture:
 
 @dataclass(frozen=True)
 class _Exchange:
-    """One launched aggregation: the units it holds, their tensors, and what is still in flight."""
+    """One launched aggregation: the units it completes, those this rank compresses (``mine``: all of them
+    unless the topology gives units to owners), their tensors, and what is still in flight."""
 
     ready: list[tuple[Unit, list[Tensor]]]
+    mine: list[tuple[Unit, list[Tensor]]]
     inputs: list[list[Tensor]]
     contributions: list[Contribution]
     raws: dict[int, list[Tensor]]
-    pending: Pending
+    pending: Pending | None
 
 
 class GradCompHook:
@@ -161,6 +176,9 @@ class GradCompHook:
         seed: base seed of the units' random streams (see :mod:`lightning_gradcomp.randomness`).
         group: the process group (default: the world).
         history: how many :class:`StepStats` to keep.
+        topology: who compresses each unit and with whom it is exchanged: a
+            :class:`~lightning_gradcomp.comm.hierarchy.NodeTopology` for ``hierarchy="node"``; by
+            default every rank, across ``group``.
     """
 
     def __init__(
@@ -178,6 +196,7 @@ class GradCompHook:
         seed: int = 0,
         group: dist.ProcessGroup | None = None,
         history: int = 10_000,
+        topology: "NodeTopology | None" = None,
     ) -> None:
         if isinstance(aggregator, str):
             if aggregator not in AGGREGATORS:
@@ -190,10 +209,12 @@ class GradCompHook:
         self.units = plan_units(named_parameters, granularity, min_compress_numel, dense_names, unit_cap_mb)
         self.warmup_steps = warmup_steps
         self.density_warmup = density_warmup
-        self.counter = CommCounter()
+        # the inter-node collectives of a node topology count into the hook's counter: they are its bytes_sent
+        self.counter = topology.counter if topology is not None else CommCounter()
         self.collectives = Collectives(group, self.counter)
         self.world_size = self.collectives.world_size
         self.rank = self.collectives.rank
+        self.topology: FlatTopology | NodeTopology = topology or FlatTopology(self.collectives)
         self.streams = UnitStreams(seed, self.rank)
         self.warm_starts = WarmStarts(compressor, self.streams)
         self.step = 0
@@ -206,8 +227,8 @@ class GradCompHook:
         self._buffers: dict[int, Tensor] = {}
         self._means: dict[int, Tensor] = {}
         self._dense = IdentityCompressor()
-        # identity compressor, no memory: DDP's own in-place scaled allreduce of the bucket, no copies
-        self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory)
+        # identity compressor, no memory, no node structure: DDP's own in-place scaled allreduce of the bucket
+        self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory) and not topology
         self._current: StepStats | None = None
         self._in_flight: deque[_Exchange] = deque()
         self.track_layers = False
@@ -256,6 +277,8 @@ class GradCompHook:
         buffer = bucket.buffer()
         if self._current is None:
             self.counter.reset()
+            if self.topology.intra_counter is not None:
+                self.topology.intra_counter.reset()
             self._current = StepStats(step=self.step, compressed=self.compressing)
             if self.density_warmup is not None and self._current.compressed:
                 self.compressor.density = self.density_warmup.density(self.step - self.warmup_steps)
@@ -295,24 +318,29 @@ class GradCompHook:
         """Compress the units that are complete and launch their aggregation, all in one (steps 2-5)."""
         start = time.perf_counter()
         comm_before = self.counter.seconds
+        intra_before = self._intra_seconds()
         raws = {
             unit.index: [g.clone() for g in grads]
             for unit, grads in ready
             if unit.compressed and self._capture.intersection(unit.names)
         }
+        # flat: every unit is this rank's gradient; per node: the node's sum, and only the units this rank owns
+        unit_tensors = [self._unit_tensor(unit, grads) for unit, grads in ready]
+        self.topology.enter_(unit_tensors)
+        owned = [i for i, (unit, _) in enumerate(ready) if self.topology.owns(unit.index)]
+        mine = [ready[i] for i in owned]
         tensors: list[Tensor] = []
         inputs: list[list[Tensor]] = []
-        for unit, grads in ready:
-            x = self._unit_tensor(unit, grads)
+        for (unit, _), x in zip(mine, [unit_tensors[i] for i in owned], strict=True):
             parts = list(x.reshape(-1).split(unit.numels))
             if unit.compressed:  # grad + residual (or grad - h_i), in place: no model-sized temporary
                 for name, part in zip(unit.names, parts, strict=True):
                     self.memory.compensate_(name, part)
             tensors.append(x)
             inputs.append(parts)
-        scales = self._shared_scales([unit for unit, _ in ready], tensors)
+        scales = self._shared_scales([unit for unit, _ in mine], tensors)
         contributions = []
-        for (unit, _), x in zip(ready, tensors, strict=True):
+        for (unit, _), x in zip(mine, tensors, strict=True):
             if unit.compressed:
                 generator = self.streams.generator(x.device, self.step, unit.key)
                 extra = {
@@ -332,19 +360,20 @@ class GradCompHook:
                     stats.layers[unit.label] = LayerStats(x.numel(), payload.nbytes, selected)
             else:
                 contributions.append(Contribution(self._dense, self._dense.compress(x)))
-        pending = self.aggregator.start(contributions, self.collectives)
-        waited = self.counter.seconds - comm_before  # shared scales, size exchanges
+        pending = self.aggregator.start(contributions, self.topology.collectives) if contributions else None
+        waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before  # scales, sizes, node sums
         stats.seconds_compress += time.perf_counter() - start - waited
         stats.seconds_communicate += waited
-        return _Exchange(ready, inputs, contributions, raws, pending)
+        return _Exchange(ready, mine, inputs, contributions, raws, pending)
 
     def _land(self, exchange: _Exchange, stats: StepStats) -> None:
         """Wait for an exchange's collectives, then let the memory write each estimate into the bucket (step 6)."""
         start = time.perf_counter()
         comm_before = self.counter.seconds
-        aggregates = exchange.pending.wait()
-        ready, inputs, contributions, raws = exchange.ready, exchange.inputs, exchange.contributions, exchange.raws
-        for (unit, grads), parts, contribution, agg in zip(ready, inputs, contributions, aggregates, strict=True):
+        intra_before = self._intra_seconds()
+        aggregates = exchange.pending.wait() if exchange.pending is not None else []
+        mine, inputs, contributions, raws = exchange.mine, exchange.inputs, exchange.contributions, exchange.raws
+        for (unit, grads), parts, contribution, agg in zip(mine, inputs, contributions, aggregates, strict=True):
             means = agg.mean.split(unit.numels)
             if not unit.compressed:
                 for grad, mean in zip(grads, means, strict=True):
@@ -359,11 +388,28 @@ class GradCompHook:
             stats.nonfinite_units += not finite
             for name, grad, part, sent, mean in zip(unit.names, grads, parts, reached, means, strict=True):
                 self.memory.finish_(name, part, sent, mean, out=grad, unit_numel=unit.numel, update=finite)
-        for finished, result in self._assembler.done([unit for unit, _ in ready]):
+        self._share(exchange)
+        for finished, result in self._assembler.done([unit for unit, _ in exchange.ready]):
             finished.set_result(result)
-        waited = self.counter.seconds - comm_before
+        waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before
         stats.seconds_communicate += waited
         stats.seconds_decompress += time.perf_counter() - start - waited
+
+    def _share(self, exchange: _Exchange) -> None:
+        """Per node: zero the gradients of the units another rank owns, then let the node sum them (exact).
+        Flat: every unit is this rank's, nothing to do."""
+        if len(exchange.mine) == len(exchange.ready) and isinstance(self.topology, FlatTopology):
+            return
+        owned = {unit.index for unit, _ in exchange.mine}
+        for unit, grads in exchange.ready:
+            if unit.index not in owned:
+                for grad in grads:
+                    grad.zero_()
+        self.topology.share_([grad for _, grads in exchange.ready for grad in grads])
+
+    def _intra_seconds(self) -> float:
+        counter = self.topology.intra_counter
+        return counter.seconds if counter is not None else 0.0
 
     def _unit_tensor(self, unit: Unit, grads: list[Tensor]) -> Tensor:
         """The tensor a unit is compressed from: a lone parameter's gradient itself (a view of DDP's bucket,
@@ -407,7 +453,8 @@ class GradCompHook:
         if not local:
             return {}
         stacked = torch.stack([scale.float() for scale in local.values()])
-        self.collectives.all_reduce_(stacked, op=dist.ReduceOp.MAX)
+        assert self.topology.collectives is not None  # a rank that compresses a unit has collectives for it
+        self.topology.collectives.all_reduce_(stacked, op=dist.ReduceOp.MAX)
         return {
             index: {"scale": shared, "local_scale": own}
             for (index, own), shared in zip(local.items(), stacked.unbind(), strict=True)
@@ -417,6 +464,10 @@ class GradCompHook:
         stats.bytes_sent = self.counter.bytes_sent
         stats.bytes_received = self.counter.bytes_received
         stats.collectives = self.counter.calls
+        if self.topology.intra_counter is not None:
+            stats.bytes_sent_intra_node = self.topology.intra_counter.bytes_sent
+            stats.bytes_received_intra_node = self.topology.intra_counter.bytes_received
+            stats.collectives += self.topology.intra_counter.calls
         if not stats.compressed:
             stats.seconds_communicate = self.counter.seconds
         if self.history:

@@ -16,7 +16,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -30,10 +30,11 @@ from lightning_gradcomp.checkpoint import (
     write_shard,
 )
 from lightning_gradcomp.comm import AGGREGATORS
-from lightning_gradcomp.compressors import Compressor, WirePrecision, build_compressor
+from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, NodeTopology, node_id_from_environment
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
 from lightning_gradcomp.compressors.topk import validate_density
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
+from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
 from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
 
@@ -180,6 +181,13 @@ class GradCompStrategy(DDPStrategy):
             (each must match a parameter of the model, checked at setup).
         keep_last_layer_dense: average the last layer's parameters (the module holding the last
             registered parameter, usually the logits layer) densely, as the TernGrad authors did.
+        hierarchy: ``"none"`` (every rank compresses and exchanges with every rank) or ``"node"``:
+            gradients are summed densely inside each node and only the nodes' sums are compressed and
+            exchanged between nodes (:mod:`lightning_gradcomp.comm.hierarchy`); on a single node
+            ``"node"`` averages densely. Nodes are read from the cluster environment (``NODE_RANK``,
+            torchrun's ``GROUP_RANK``, SLURM's node id).
+        hierarchy_scheme: with ``hierarchy="node"``, who compresses a unit on each node:
+            ``"sharded"`` (the node's local ranks share the units) or ``"leader"`` (local rank 0).
         on_world_size_change: resuming from a checkpoint written by a different number of ranks
             raises a ``ValueError`` naming both sizes (``"error"``), or starts the compression state
             afresh with a warning (``"reset"``): residuals and shifts are per rank and cannot be split
@@ -213,6 +221,8 @@ class GradCompStrategy(DDPStrategy):
         wire_precision: Literal["fp16", "bf16"] | None = None,
         dense_parameters: Sequence[str] = (),
         keep_last_layer_dense: bool = False,
+        hierarchy: Literal["none", "node"] = "none",
+        hierarchy_scheme: Literal["sharded", "leader"] = "sharded",
         on_world_size_change: Literal["error", "reset"] = "error",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -303,6 +313,12 @@ class GradCompStrategy(DDPStrategy):
         if on_world_size_change not in ("error", "reset"):
             raise ValueError(f"on_world_size_change must be 'error' or 'reset', got {on_world_size_change!r}")
         self.on_world_size_change = on_world_size_change
+        if hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy must be one of {list(HIERARCHIES)}, got {hierarchy!r}")
+        if hierarchy_scheme not in SCHEMES:
+            raise ValueError(f"hierarchy_scheme must be one of {list(SCHEMES)}, got {hierarchy_scheme!r}")
+        self.hierarchy = hierarchy
+        self.hierarchy_scheme = hierarchy_scheme
         self._pending_hook_state: dict | None = None
         self._run_tag = uuid.uuid4().hex  # replaced by rank 0's at setup, so that all ranks share it
         self._saves = 0
@@ -389,18 +405,26 @@ class GradCompStrategy(DDPStrategy):
             return self.compressor.preferred_aggregator(world_size)
         return self.aggregator_name
 
-    def build_hook(self, module: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None) -> GradCompHook:
+    def build_hook(
+        self, module: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None, node_id: object = None
+    ) -> GradCompHook:
         """The hook this strategy installs for ``module``'s parameters over ``group`` (default: the world).
 
         Also the way to use the strategy's settings with a hand-made ``DistributedDataParallel``:
-        ``ddp.register_comm_hook(strategy.build_hook(model), gradcomp_comm_hook)``.
+        ``ddp.register_comm_hook(strategy.build_hook(model), gradcomp_comm_hook)``. With
+        ``hierarchy="node"`` every rank must call it (it gathers every rank's node and creates the
+        node groups); ``node_id`` labels this rank's node (default: from the environment).
         """
         named = list(module.named_parameters())
         world_size = torch.distributed.get_world_size(group)
+        topology = self._node_topology(group, node_id) if self.hierarchy == "node" else None
+        if self.hierarchy == "node" and topology is None:
+            return self._dense_hook(named, group)
+        exchanging = topology.nodes if topology is not None else world_size
         return GradCompHook(
             compressor=self.compressor,
             memory=self.memory,
-            aggregator=self.resolved_aggregator(world_size),
+            aggregator=self.resolved_aggregator(exchanging),
             named_parameters=named,
             granularity=self.granularity,
             unit_cap_mb=self.unit_cap_mb,
@@ -410,7 +434,26 @@ class GradCompStrategy(DDPStrategy):
             density_warmup=self.density_warmup,
             seed=self.seed,
             group=group,
+            topology=topology,
         )
+
+    def _node_topology(self, group: torch.distributed.ProcessGroup | None, node_id: object) -> NodeTopology | None:
+        """The node topology of the world, or ``None`` (with a one-line info) when it is a single node."""
+        if group is not None and group != torch.distributed.group.WORLD:
+            raise ValueError("hierarchy='node' builds its node groups from the world; the hook's group must be it")
+        if node_id is None:
+            node_id = self.cluster_environment.node_rank() if self.cluster_environment is not None else None
+        layout = NodeLayout.gather(node_id if node_id is not None else node_id_from_environment())
+        if len(layout.nodes) == 1:
+            rank_zero_info("hierarchy='node' on a single node: gradients are averaged densely (no slow link to spare)")
+            return None
+        return NodeTopology(layout, self.hierarchy_scheme, timeout=self._timeout)
+
+    def _dense_hook(
+        self, named: list[tuple[str, torch.nn.Parameter]], group: torch.distributed.ProcessGroup | None
+    ) -> GradCompHook:
+        """Plain DDP's average through the hook (so statistics and checkpoints work as for any run)."""
+        return GradCompHook(IdentityCompressor(), NoMemory(), "allreduce", named, warmup_steps=0, group=group)
 
     def _register_ddp_hooks(self) -> None:
         """Attach the compression hook, whatever the device (the parent does so only on CUDA)."""
@@ -463,6 +506,7 @@ class GradCompStrategy(DDPStrategy):
             "density_warmup": repr(self.density_warmup),
             "dense parameters": str(sorted(self.dense_parameter_names(named_parameters))),
             "seed": str(self.seed),
+            "hierarchy": f"{self.hierarchy} {self.hierarchy_scheme}",
             "parameters": str([(name, tuple(p.shape)) for name, p in named_parameters]),
         }
 
