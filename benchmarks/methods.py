@@ -115,10 +115,11 @@ def completed(hook):
     return completed_hook
 
 
-def attach(method: str, ddp, model, seed: int = 0):
+def attach(method: str, ddp, model, seed: int = 0, overrides: dict[str, Any] | None = None):
     """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None.
 
-    ``seed`` seeds the method's random draws (our hooks' streams, PowerSGD's initial Q).
+    ``seed`` seeds the method's random draws (our hooks' streams, PowerSGD's initial Q);
+    ``overrides`` replace our methods' strategy arguments (e.g. :data:`AFTER_WARMUPS`).
     """
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
     import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
@@ -137,6 +138,6 @@ def attach(method: str, ddp, model, seed: int = 0):
         )
         ddp.register_comm_hook(state, completed(powersgd.powerSGD_hook))
         return None
-    hook = GradCompStrategy(**strategy_arguments(method), seed=seed).build_hook(model)
+    hook = GradCompStrategy(**{**strategy_arguments(method), **(overrides or {})}, seed=seed).build_hook(model)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     return hook

@@ -49,7 +49,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from methods import DEFAULT_METHODS, attach, check_methods
+from methods import AFTER_WARMUPS, DEFAULT_METHODS, attach, check_methods
 from workloads import MODELS, build_model
 
 SUBNET = "10.213.0"
@@ -107,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
         model = build_model(args.model, args.width)
         ddp = DistributedDataParallel(model)
         try:
-            hook = attach(method, ddp, model)
+            hook = attach(method, ddp, model, overrides=AFTER_WARMUPS if args.after_warmups else None)
         except (ValueError, KeyError) as err:
             results.append(Result(method, 0.0, 0.0, None, None, note=f"skipped: {err}"))
             continue
@@ -235,7 +235,8 @@ class Network:
                        OMP_NUM_THREADS="1")  # fmt: skip
             cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--out", out,
                    "--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--batch", str(args.batch), "--width", str(args.width), "--model", args.model]  # fmt: skip
+                   "--batch", str(args.batch), "--width", str(args.width), "--model", args.model,
+                   *(["--after-warmups"] if args.after_warmups else [])]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
         deadline = time.monotonic() + args.timeout
         try:
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="mlp", choices=list(MODELS), help="what to train (see workloads.py)")
     parser.add_argument("--width", type=int, default=512, help="width of --model mlp (512: 1.84M parameters)")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument(
+        "--after-warmups", action="store_true", help="our methods compressed from step 2 at their final density"
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

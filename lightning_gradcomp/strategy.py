@@ -45,10 +45,9 @@ PRESET_DENSITY_WARMUP_STEPS = 200
 
 #: Dense steps before ATOMO's first compressed one in its preset: at lr 0.05 / momentum 0.9 LeNet-5's
 #: first ~50 steps are on the edge of stability (plain DDP itself dips to 11% accuracy with one seed),
-#: and budget-3 atoms, unbiased but with a variance many times the gradient's, tip them over (2 of 4
-#: seeds diverged from step 40 on; benchmarks/README.md, "Time to accuracy"). PyTorch's PowerSGD hook
-#: starts dense for the same reason (``start_powerSGD_iter``). It saved those seeds, not every seed:
-#: 2 of 8 still diverged after it.
+#: and budget-3 atoms compressed from step 2 pushed 2 of 8 seeds down to 9-16%, from which they ended
+#: 1-2 points short (benchmarks/README.md, "Time to accuracy"). PyTorch's PowerSGD hook starts dense
+#: for the same reason (``start_powerSGD_iter``).
 PRESET_ATOMO_DENSE_STEPS = 100
 
 #: Dense steps before PowerSGD's first compressed one in its preset: PyTorch's ``start_powerSGD_iter``,
