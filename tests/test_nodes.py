@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import free_port
+from test_hierarchy import check_two_by_two_run
 
 TESTS = Path(__file__).resolve().parent
 SUBNET = "10.214.0"
@@ -95,12 +96,7 @@ def test_torchrun_on_two_emulated_nodes_trains_hierarchically(tmp_path: Path) ->
     results = [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in range(4)]
     assert [r["node_rank"] for r in results] == [0, 0, 1, 1]
     assert results[0]["environment"] == "TorchElasticEnvironment"
-    assert {r["topology"] for r in results} == {"2 nodes (2/2 ranks), sharded, 2 owner(s) per node"}
-    for r in results[1:]:
-        for name, value in r["weights"].items():
-            assert torch.equal(value, results[0]["weights"][name]), name
-    compressed = [s for r in results for s in r["history"] if s.compressed]
-    assert compressed and all(s.bytes_sent_intra_node > 0 for s in compressed)
+    check_two_by_two_run(results)
     # what the collectives between nodes were handed crossed the link (plus TCP/IP headers and the
     # launchers' rendezvous); the dense sums inside the nodes did not
     inter = sum(s.bytes_sent for r in results for s in r["history"])
