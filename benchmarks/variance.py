@@ -12,7 +12,15 @@ for the gradients one rank actually compresses:
 * QSGD with ``s`` levels (2-norm ``N`` per block; Alistarh et al. 2017, Sec. 3.1): with
   ``f`` the fractional part of ``s |x| / N``, the variance is ``(N / s)^2 f (1 - f)``;
 * spectral ATOMO with budget ``s`` (Wang et al. 2018, Sec. 3): ``sum_i sigma_i^2 (1 / p_i - 1)``
-  over the singular values, with the variance-optimal ``p_i`` the compressor uses.
+  over the singular values, with the variance-optimal ``p_i`` the compressor uses;
+* TernGrad (Wen et al. 2017, Sec. 3.1, with its clipping of Sec. 3.3): with the layer's scaler
+  ``s = min(max|x|, 2.5 sigma)`` and ``x_c`` the gradient clipped to ``[-s, s]``, the ternary
+  variance ``s |x_c| - x_c^2`` plus the clipping's bias ``(x_c - x)^2``: biased, so the ratio is a
+  mean squared error, not a variance. With this rank's own scaler: sharing the largest over the
+  ranks can only add to it;
+* EF-SignSGD's scaled sign (Karimireddy et al. 2019, Sec. 3): ``(||x||_1 / d) sign(x)`` misses
+  ``||x||^2 - ||x||_1^2 / d`` of ``x``, deterministically: what its error feedback carries to the
+  next step.
 
 The model trains densely (SGD as ``time_to_accuracy.py``: global batch ``ranks x batch``, lr 0.05,
 momentum 0.9, the same batches for a seed); every ``--every`` steps the first rank's share of the
@@ -70,6 +78,20 @@ def atomo_variance(x: torch.Tensor, budget: float = 3) -> float:
     return float(sampling_variance(sigma, atomo_probabilities(sigma, budget)))
 
 
+def terngrad_error(x: torch.Tensor, clip_sigma: float = 2.5) -> float:
+    """``E||T(x) - x||^2`` of TernGrad with this rank's scaler: ternary variance of the clipped ``x`` plus the bias."""
+    g = x.detach().double().reshape(-1)
+    scale = min(float(g.abs().max()), clip_sigma * float(g.std(correction=0)))
+    clipped = g.clamp(-scale, scale)
+    return float((scale * clipped.abs() - clipped.pow(2)).sum() + (clipped - g).pow(2).sum())
+
+
+def scaled_sign_error(x: torch.Tensor) -> float:
+    """``||C(x) - x||^2`` of the scaled sign: ``||x||^2 - ||x||_1^2 / d`` (no randomness)."""
+    g = x.detach().double().reshape(-1)
+    return float(g.pow(2).sum() - g.abs().sum().pow(2) / g.numel())
+
+
 #: ``label -> variance of one tensor``: the compressors of the presets, and the variants measured beside them.
 COMPRESSORS = {
     "ternary quantizer, blocks of 1024 (ddp_diana:ternary)": ternary_variance,
@@ -77,6 +99,8 @@ COMPRESSORS = {
     "QSGD s = 7, blocks of 512 (ddp_diana)": qsgd_variance,
     "ATOMO budget 3 (ddp_atomo)": atomo_variance,
     "ATOMO budget 8": lambda x: atomo_variance(x, 8),
+    "TernGrad, 2.5 sigma, own scaler (ddp_terngrad; biased)": terngrad_error,
+    "scaled sign (ddp_efsign; biased, error feedback)": scaled_sign_error,
 }
 
 
