@@ -398,7 +398,7 @@ class GradCompHook:
     def _share(self, exchange: _Exchange) -> None:
         """Per node: zero the gradients of the units another rank owns, then let the node sum them (exact).
         Flat: every unit is this rank's, nothing to do."""
-        if len(exchange.mine) == len(exchange.ready) and isinstance(self.topology, FlatTopology):
+        if isinstance(self.topology, FlatTopology):
             return
         owned = {unit.index for unit, _ in exchange.mine}
         for unit, grads in exchange.ready:
