@@ -28,6 +28,12 @@ batch gives the gradient each compressor would see, layer by layer, for the laye
 compress (1,024 elements or more, the logits layer excluded).
 
     python benchmarks/variance.py --steps 600 --every 20 --json benchmarks/results/variance_lenet.json
+
+``--model quickstart`` measures the README's quickstart instead (``recipes/quickstart.yaml``: the
+teacher task's 64-512-10 MLP, 2 ranks x 32 examples, lr 0.05, momentum 0.9, 300 steps):
+
+    python benchmarks/variance.py --model quickstart --ranks 2 --steps 300 \
+        --json benchmarks/results/variance_quickstart.json
 """
 
 from __future__ import annotations
@@ -104,12 +110,22 @@ COMPRESSORS = {
 }
 
 
+def _model_and_data(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (from the current torch seed) and its training inputs and labels."""
+    if args.model == "quickstart":
+        from lightning_gradcomp.examples.teacher import MLPClassifier, teacher_dataset
+
+        data = teacher_dataset(8192, 64, 10, seed=0)  # recipes/quickstart.yaml's TeacherDataModule
+        return MLPClassifier(features=64, hidden=512, classes=10, lr=args.lr), *data.tensors
+    (train_x, train_y), _ = _mnist(args.data_dir, args.holdout)
+    return build_model("lenet"), train_x, train_y
+
+
 def measure(args: argparse.Namespace) -> dict:
     """``omega`` per compressor, layer and measured step, on the first rank's gradient."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    (train_x, train_y), _ = _mnist(args.data_dir, args.holdout)
-    model = build_model("lenet")
+    model, train_x, train_y = _model_and_data(args)
     named = list(model.named_parameters())
     last = named[-2][0]  # the logits layer's weight: every compressed preset keeps it dense
     layers = [n for n, p in named if p.numel() >= 1024 and n != last]
@@ -135,8 +151,8 @@ def measure(args: argparse.Namespace) -> dict:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(train_x[indices]), train_y[indices]).backward()
         optimizer.step()
-    return {"steps": steps, "layers": layers, "ranks": args.ranks, "batch": args.batch, "lr": args.lr,
-            "momentum": args.momentum, "seed": args.seed, "omega": omegas}  # fmt: skip
+    return {"model": args.model, "steps": steps, "layers": layers, "ranks": args.ranks, "batch": args.batch,
+            "lr": args.lr, "momentum": args.momentum, "seed": args.seed, "omega": omegas}  # fmt: skip
 
 
 def show(result: dict) -> None:
@@ -144,8 +160,8 @@ def show(result: dict) -> None:
     from rich.table import Table
 
     n = result["ranks"]
-    title = (f"exact omega = E||C(g) - g||^2 / ||g||^2 on one rank's gradient (LeNet-5/MNIST, {result['batch']} "
-             f"images), median / max over {len(result['steps'])} steps of a dense run")  # fmt: skip
+    title = (f"exact omega = E||C(g) - g||^2 / ||g||^2 on one rank's gradient ({result.get('model', 'lenet')}, "
+             f"{result['batch']} examples), median / max over {len(result['steps'])} steps of a dense run")  # fmt: skip
     table = Table(title=title)
     table.add_column("compressor")
     for column in [*result["layers"], "all compressed", f"1 + 2 omega / n (n = {n})"]:
@@ -158,6 +174,7 @@ def show(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("lenet", "quickstart"), default="lenet")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--every", type=int, default=20, help="measure every this many steps")
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the run emulated (global batch ranks x batch)")

@@ -319,10 +319,10 @@ class GradCompHook:
         start = time.perf_counter()
         comm_before = self.counter.seconds
         intra_before = self._intra_seconds()
-        raws = {
+        raws = {  # before the node sum below, which may overwrite the gradients in place
             unit.index: [g.clone() for g in grads]
             for unit, grads in ready
-            if unit.compressed and self._capture.intersection(unit.names)
+            if unit.compressed and self._capture.intersection(unit.names) and self.topology.owns(unit.index)
         }
         # flat: every unit is this rank's gradient; per node: the node's sum, and only the units this rank owns
         unit_tensors = [self._unit_tensor(unit, grads) for unit, grads in ready]
@@ -396,15 +396,14 @@ class GradCompHook:
         stats.seconds_decompress += time.perf_counter() - start - waited
 
     def _share(self, exchange: _Exchange) -> None:
-        """Per node: zero the gradients of the units another rank owns, then let the node sum them (exact).
-        Flat: every unit is this rank's, nothing to do."""
-        if isinstance(self.topology, FlatTopology):
-            return
-        owned = {unit.index for unit, _ in exchange.mine}
-        for unit, grads in exchange.ready:
-            if unit.index not in owned:
-                for grad in grads:
-                    grad.zero_()
+        """Zero the gradients of the units another rank owns, then let the topology complete them (per node:
+        one exact sum over the node; flat: every unit is this rank's, nothing to zero or share)."""
+        if len(exchange.mine) < len(exchange.ready):
+            owned = {unit.index for unit, _ in exchange.mine}
+            for unit, grads in exchange.ready:
+                if unit.index not in owned:
+                    for grad in grads:
+                        grad.zero_()
         self.topology.share_([grad for _, grads in exchange.ready for grad in grads])
 
     def _intra_seconds(self) -> float:
