@@ -223,27 +223,26 @@ class Network:
         for ns in [*self.rank_ns, self.bridge_ns]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    def launch(self, args: argparse.Namespace, out: str) -> None:
+    def launch(self, argv: list[str], timeout: float) -> None:
+        """Run ``python *argv`` once per rank, each in its node's namespace with the rank's ``torchrun``-like
+        environment (gloo on the node's ``eth0``, one thread); raise ``SystemExit`` if a rank fails or the
+        ranks outlive ``timeout`` seconds."""
         procs = []
         world = len(self.rank_ns) * self.ranks_per_node
         for rank in range(world):
             node, local = divmod(rank, self.ranks_per_node)
-            ns = self.rank_ns[node]
             env = dict(os.environ, MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(PORT), RANK=str(rank),
                        WORLD_SIZE=str(world), GROUP_RANK=str(node), LOCAL_RANK=str(local),
                        LOCAL_WORLD_SIZE=str(self.ranks_per_node), GLOO_SOCKET_IFNAME="eth0",
                        OMP_NUM_THREADS="1")  # fmt: skip
-            cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--out", out,
-                   "--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--batch", str(args.batch), "--width", str(args.width), "--model", args.model,
-                   *(["--after-warmups"] if args.after_warmups else [])]  # fmt: skip
+            cmd = ["ip", "netns", "exec", self.rank_ns[node], sys.executable, *argv]
             procs.append(subprocess.Popen(cmd, env=env))
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + timeout
         try:
             for p in procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise SystemExit(f"ranks did not finish within {args.timeout} s") from None
+            raise SystemExit(f"ranks did not finish within {timeout} s") from None
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -324,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             network.create()
             with tempfile.TemporaryDirectory() as tmp:
                 out = str(Path(tmp) / "results.json")
-                network.launch(args, out)
+                argv = [__file__, "--worker", "--out", out, "--methods", args.methods, "--steps", str(args.steps),
+                        "--warmup", str(args.warmup), "--batch", str(args.batch), "--width", str(args.width),
+                        "--model", args.model, *(["--after-warmups"] if args.after_warmups else [])]  # fmt: skip
+                network.launch(argv, args.timeout)
                 report["rates"][rate] = json.loads(Path(out).read_text())
         finally:
             network.delete()
