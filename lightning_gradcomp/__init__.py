@@ -1,18 +1,24 @@
-"""lightning-gradcomp: compressed gradient exchange for PyTorch Lightning's DDP.
+"""lightning-gradcomp: compressed gradient exchange for PyTorch Lightning's DDP, Fabric and plain torch DDP.
 
-Importing the package registers the named strategies (``Trainer(strategy="ddp_topk")``).
+Importing the package registers the named strategies with the Trainer (``Trainer(strategy="ddp_topk")``)
+and with Fabric (``Fabric(strategy="ddp_topk")``); :func:`make_hook` serves hand-made
+``DistributedDataParallel`` scripts.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gradcomp.compressors import COMPRESSORS, Compressor, IdentityCompressor, TopKCompressor
+from lightning_gradcomp.fabric import GradCompFabricStrategy
 from lightning_gradcomp.hook import GradCompHook, StepStats, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, ErrorFeedback, Memory, NoMemory
 from lightning_gradcomp.strategy import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp.torch_ddp import make_hook
 
 __version__ = "0.1.0.dev0"
 
 GradCompStrategy.register_strategies(StrategyRegistry)
+GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "COMPRESSORS",
@@ -20,6 +26,7 @@ __all__ = [
     "NAMED_STRATEGIES",
     "Compressor",
     "ErrorFeedback",
+    "GradCompFabricStrategy",
     "GradCompHook",
     "GradCompStrategy",
     "IdentityCompressor",
@@ -29,4 +36,5 @@ __all__ = [
     "TopKCompressor",
     "__version__",
     "gradcomp_comm_hook",
+    "make_hook",
 ]

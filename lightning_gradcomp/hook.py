@@ -221,6 +221,7 @@ class GradCompHook:
         self.calls = 0
         self.history: deque[StepStats] = deque(maxlen=history)
         self._names = {id(p): name for name, p in named_parameters}
+        self._device = named_parameters[0][1].device if named_parameters else torch.device("cpu")
         # a compressor that compresses a flat unit parameter by parameter is told their shapes
         self._shapes = {u.index: {"shapes": u.shapes} if compressor.takes_shapes else {} for u in self.units}
         self._assembler = UnitAssembler(self.units)
@@ -258,14 +259,17 @@ class GradCompHook:
         return self.step >= self.warmup_steps
 
     def state_dict(self) -> dict:
-        """What must survive a restart besides the memory: the step counter (random streams derive from it)
-        and the compressor's warm starts."""
-        return {"step": self.step, "warm_starts": self.warm_starts.state_dict()}
+        """What must survive a restart: the step counter (random streams derive from it), the compressor's
+        warm starts and the memory's state (residuals, shifts: live tensors, as ``Module.state_dict``)."""
+        return {"step": self.step, "warm_starts": self.warm_starts.state_dict(), "memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (generator states of older checkpoints are not needed)."""
+        """Restore :meth:`state_dict`'s output, the memory's onto the parameters' device (a state without
+        ``"memory"``, as the strategies' checkpoint shards keep it apart, leaves the memory as it is)."""
         self.step = int(state["step"])
         self.warm_starts.load_state_dict(state.get("warm_starts", {}))
+        if "memory" in state:
+            self.memory.load_state_dict({k: v.to(self._device) for k, v in state["memory"].items()})
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         """Average ``bucket`` across ranks (compressed after the warm-up): a future of the bucket's buffer.

@@ -116,7 +116,7 @@ def test_a_checkpoint_of_an_unknown_state_format_is_refused_by_name() -> None:
     with pytest.raises(
         ShardError, match=r"run.ckpt holds compression state of format 9; this version reads formats 1 and 2"
     ):
-        GradCompStrategy()._read_state("run.ckpt", {"format": 9, "world_size": 1})
+        GradCompStrategy()._read_state("run.ckpt", {"format": 9, "world_size": 1}, rank=0)
 
 
 def test_diana_refuses_a_compressor_biased_for_the_gradient_it_is_given() -> None:

@@ -1,0 +1,455 @@
+"""The compression settings every entry point shares: the Trainer's and Fabric's strategies and :func:`make_hook`.
+
+:class:`CompressionSettings` validates the arguments once (a ``ValueError`` naming the argument, the
+value and what is allowed), builds the :class:`~lightning_gradcomp.hook.GradCompHook` for a module,
+checks at setup that every rank was configured alike, installs the hook on a
+``DistributedDataParallel``, and writes and reads each rank's compression state beside a checkpoint
+(:mod:`lightning_gradcomp.checkpoint`). The strategies add only what their framework needs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import math
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp.checkpoint import FORMAT, ShardError, manifest, read_shard, write_shard
+from lightning_gradcomp.comm import AGGREGATORS
+from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, NodeTopology, node_id_from_environment
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
+from lightning_gradcomp.compressors.topk import validate_density
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
+from lightning_gradcomp.schedule import DensityWarmup
+from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def refuse_density_schedule(density_schedule: Sequence[float] | None, where: str) -> None:
+    """``density_schedule`` counts epochs, which only the Trainer has: refuse it elsewhere, naming the way out."""
+    if density_schedule is not None:
+        raise ValueError(
+            f"density_schedule={list(density_schedule)!r} sets the density by epoch, and {where} has no epochs the "
+            "hook can see; use density_warmup_steps (a warm-up counted in steps)"
+        )
+
+
+class CompressionSettings:
+    """What to compress and how, validated where it enters; see :class:`~lightning_gradcomp.GradCompStrategy`
+    for every argument. ``gradcomp_hook`` is the hook once :meth:`install_hook` ran (``None`` before)."""
+
+    def __init__(
+        self,
+        compressor: str | Compressor = "topk",
+        memory: str = "ef",
+        memory_kwargs: dict[str, Any] | None = None,
+        aggregator: str = "auto",
+        granularity: Literal["layer", "model", "group", "bucket"] = "layer",
+        unit_cap_mb: float = DEFAULT_UNIT_CAP_MB,
+        density: float | None = None,
+        density_schedule: Sequence[float] | None = None,
+        density_warmup_steps: int = 0,
+        density_warmup_start: float = 0.25,
+        warmup_steps: int = 1,
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        compressor_kwargs: dict[str, Any] | None = None,
+        wire_precision: Literal["fp16", "bf16"] | None = None,
+        dense_parameters: Sequence[str] = (),
+        keep_last_layer_dense: bool = False,
+        hierarchy: Literal["none", "node"] = "none",
+        hierarchy_scheme: Literal["sharded", "leader"] = "sharded",
+        on_world_size_change: Literal["error", "reset"] = "error",
+    ) -> None:
+        compressor_args = dict(compressor_kwargs or {})
+        if density is not None:
+            compressor_args["density"] = density
+        self.compressor = build_compressor(compressor, **compressor_args)
+        if wire_precision is not None:
+            if aggregator == "gtopk":
+                raise ValueError(
+                    f"wire_precision={wire_precision!r} with aggregator='gtopk': the butterfly sums entries in the "
+                    "messages' precision at every round; use aggregator='allgather'"
+                )
+            self.compressor = WirePrecision(self.compressor, wire_precision)
+        if not isinstance(memory, str) or memory not in MEMORIES:
+            raise ValueError(f"memory must be one of {sorted(MEMORIES)}, got {memory!r}")
+        memory_args = dict(memory_kwargs or {})
+        if memory == Diana.name:
+            if not self.compressor.unbiased:
+                raise ValueError(
+                    f"memory='diana' needs a compressor that is unbiased for the gradient it is given, "
+                    f"E[C(x)] = x (Mishchenko et al., 2019, Sec. 2), and {self.compressor!r} is not: "
+                    f"{self.compressor.bias_reason}"
+                )
+            if memory_args.get("alpha") is None:
+                if not callable(getattr(self.compressor, "omega", None)):
+                    raise ValueError(
+                        f"memory='diana' without memory_kwargs={{'alpha': ...}} needs a compressor with a variance "
+                        f"bound omega(numel), and {self.compressor!r} has none"
+                    )
+                memory_args["variance_bound"] = self.compressor.omega
+        if not isinstance(aggregator, str) or (aggregator not in AGGREGATORS and aggregator != "auto"):
+            raise ValueError(f"aggregator must be one of {[*sorted(AGGREGATORS), 'auto']}, got {aggregator!r}")
+        if aggregator == "allreduce" and not self.compressor.summable_across_ranks:
+            raise ValueError(
+                f"aggregator='allreduce' sums compressed codes across ranks, which {self.compressor!r} cannot do "
+                "as configured (TernGrad needs share_scale=True); use aggregator='allgather' or 'auto'"
+            )
+        if aggregator in ("allgather", "gtopk") and not self.compressor.gatherable:
+            raise ValueError(
+                f"aggregator={aggregator!r} gathers each rank's payload bytes, but {self.compressor!r} is summed over "
+                "ranks in rounds (each computed from the last one's sum); use aggregator='allreduce' or 'auto'"
+            )
+        if granularity == "bucket":
+            rank_zero_deprecation(
+                "granularity='bucket' is deprecated: units no longer follow DDP's buckets (which change after "
+                "the first step and after a restart); it now means granularity='group', flat groups of at most "
+                "unit_cap_mb. Use 'model' for one unit of the whole model (the gTop-k authors' setting)."
+            )
+            granularity = "group"
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
+        if granularity != "layer" and self.compressor.needs_layer_shape:
+            raise ValueError(
+                f"granularity={granularity!r} hands {self.compressor.name!r} flat vectors, but it works on each "
+                "parameter's own shape; use granularity='layer'"
+            )
+        if (
+            isinstance(unit_cap_mb, bool)
+            or not isinstance(unit_cap_mb, (int, float))
+            or not math.isfinite(unit_cap_mb)
+            or unit_cap_mb <= 0
+        ):
+            raise ValueError(f"unit_cap_mb must be a positive number of MiB, got {unit_cap_mb!r}")
+        self.unit_cap_mb = float(unit_cap_mb)
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 0)
+        self.seed = _check_int("seed", seed, 0)
+        self.density_schedule = self._check_schedule(density_schedule)
+        self.density_warmup = self._check_density_warmup(density_warmup_steps, density_warmup_start)
+        if isinstance(dense_parameters, str) or not all(isinstance(p, str) for p in dense_parameters):
+            raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
+        if not isinstance(keep_last_layer_dense, bool):
+            raise ValueError(f"keep_last_layer_dense must be True or False, got {keep_last_layer_dense!r}")
+        if on_world_size_change not in ("error", "reset"):
+            raise ValueError(f"on_world_size_change must be 'error' or 'reset', got {on_world_size_change!r}")
+        self.on_world_size_change = on_world_size_change
+        if hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy must be one of {list(HIERARCHIES)}, got {hierarchy!r}")
+        if hierarchy_scheme not in SCHEMES:
+            raise ValueError(f"hierarchy_scheme must be one of {list(SCHEMES)}, got {hierarchy_scheme!r}")
+        self.hierarchy = hierarchy
+        self.hierarchy_scheme = hierarchy_scheme
+        self._pending_hook_state: dict | None = None
+        self._run_tag = uuid.uuid4().hex  # replaced by rank 0's at setup, so that all ranks share it
+        self._saves = 0
+        self.dense_parameters = tuple(dense_parameters)
+        self.keep_last_layer_dense = keep_last_layer_dense
+        self.aggregator_name = aggregator
+        self.granularity = granularity
+        self.memory: Memory = build_memory(memory, **memory_args)
+        if getattr(self.memory, "momentum", 0.0) and not hasattr(self.compressor, "density"):
+            raise ValueError(
+                f"memory_kwargs={{'momentum': {self.memory.momentum}}} is DGC's momentum correction for "
+                f"sparsifiers (topk, gaussiank, dgc); {self.compressor!r} does not sparsify"
+            )
+        self.gradcomp_hook: GradCompHook | None = None
+
+    def _check_schedule(self, schedule: Sequence[float] | None) -> tuple[float, ...] | None:
+        if schedule is None:
+            return None
+        if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Sequence) or not schedule:
+            raise ValueError(f"density_schedule must be a non-empty list of densities in (0, 1], got {schedule!r}")
+        if not hasattr(self.compressor, "density"):
+            raise ValueError(f"density_schedule needs a compressor with a density; {self.compressor!r} has none")
+        try:
+            return tuple(validate_density(d) for d in schedule)
+        except ValueError as err:
+            raise ValueError(f"density_schedule: {err}") from None
+
+    def _check_density_warmup(self, steps: int, start: float) -> DensityWarmup | None:
+        _check_int("density_warmup_steps", steps, 0)
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not 0.0 < start <= 1.0:
+            raise ValueError(f"density_warmup_start must be a density in (0, 1], got {start!r}")
+        if steps == 0:
+            return None
+        if not hasattr(self.compressor, "density"):
+            raise ValueError(f"density_warmup_steps needs a compressor with a density; {self.compressor!r} has none")
+        if self.density_schedule is not None:
+            raise ValueError(
+                f"density_warmup_steps={steps} and density_schedule={list(self.density_schedule)} both set the "
+                "density; give one (the warm-up counts steps, the schedule epochs)"
+            )
+        return DensityWarmup(self.compressor.density, steps, start)
+
+    def density_for_epoch(self, epoch: int) -> float | None:
+        """The scheduled density for ``epoch`` (``None`` without a schedule)."""
+        if self.density_schedule is None:
+            return None
+        return self.density_schedule[min(epoch, len(self.density_schedule) - 1)]
+
+    def dense_parameter_names(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> frozenset[str]:
+        """Names of the parameters kept dense by ``dense_parameters`` and ``keep_last_layer_dense``."""
+        names = [name for name, _ in named_parameters]
+        dense: set[str] = set()
+        for pattern in self.dense_parameters:
+            matched = fnmatch.filter(names, pattern)
+            if not matched:
+                raise ValueError(f"dense_parameters pattern {pattern!r} matches no parameter; parameters are {names}")
+            dense.update(matched)
+        if self.keep_last_layer_dense and names:
+            owner = names[-1].rpartition(".")[0]
+            dense.update(n for n in names if n.rpartition(".")[0] == owner)
+        return frozenset(dense)
+
+    def resolved_aggregator(self, world_size: int) -> str:
+        """The aggregator for ``world_size`` ranks: as given, or the compressor's choice for ``"auto"``."""
+        if self.aggregator_name == "auto":
+            return self.compressor.preferred_aggregator(world_size)
+        return self.aggregator_name
+
+    def build_hook(
+        self,
+        module: torch.nn.Module,
+        group: torch.distributed.ProcessGroup | None = None,
+        node_id: object = None,
+        timeout: timedelta | None = None,
+    ) -> GradCompHook:
+        """The hook this strategy installs for ``module``'s parameters over ``group`` (default: the world).
+
+        (:func:`~lightning_gradcomp.make_hook` is the way for a hand-made ``DistributedDataParallel``: it
+        also checks that the ranks agree.) With ``hierarchy="node"`` every rank must call it (it gathers
+        every rank's node and creates the node groups); ``node_id`` labels this rank's node (default: from
+        the environment), ``timeout`` bounds the node groups' collectives (default: torch.distributed's).
+        """
+        named = list(module.named_parameters())
+        world_size = torch.distributed.get_world_size(group)
+        topology = self._node_topology(group, node_id, timeout) if self.hierarchy == "node" else None
+        if self.hierarchy == "node" and topology is None:
+            return self._dense_hook(named, group)
+        exchanging = topology.nodes if topology is not None else world_size
+        return GradCompHook(
+            compressor=self.compressor,
+            memory=self.memory,
+            aggregator=self.resolved_aggregator(exchanging),
+            named_parameters=named,
+            granularity=self.granularity,
+            unit_cap_mb=self.unit_cap_mb,
+            warmup_steps=self.warmup_steps,
+            min_compress_numel=self.min_compress_numel,
+            dense_names=self.dense_parameter_names(named),
+            density_warmup=self.density_warmup,
+            seed=self.seed,
+            group=group,
+            topology=topology,
+        )
+
+    def _node_topology(
+        self, group: torch.distributed.ProcessGroup | None, node_id: object, timeout: timedelta | None
+    ) -> NodeTopology | None:
+        """The node topology of the world, or ``None`` (with a one-line info) when it is a single node."""
+        if group is not None and group != torch.distributed.group.WORLD:
+            raise ValueError("hierarchy='node' builds its node groups from the world; the hook's group must be it")
+        layout = NodeLayout.gather(node_id if node_id is not None else node_id_from_environment())
+        if len(layout.nodes) == 1:
+            rank_zero_info("hierarchy='node' on a single node: gradients are averaged densely (no slow link to spare)")
+            return None
+        return NodeTopology(layout, self.hierarchy_scheme, timeout=timeout or default_pg_timeout)
+
+    def _dense_hook(
+        self, named: list[tuple[str, torch.nn.Parameter]], group: torch.distributed.ProcessGroup | None
+    ) -> GradCompHook:
+        """Plain DDP's average through the hook (so statistics and checkpoints work as for any run)."""
+        return GradCompHook(IdentityCompressor(), NoMemory(), "allreduce", named, warmup_steps=0, group=group)
+
+    def install_hook(
+        self, ddp: DistributedDataParallel, node_id: object = None, timeout: timedelta | None = None
+    ) -> GradCompHook:
+        """Check the ranks agree, build the hook for ``ddp``'s module over its process group, give it a state
+        loaded before it existed, and register it on ``ddp``."""
+        named = list(ddp.module.named_parameters())
+        self.check_settings_agree(named, ddp.process_group)
+        self.gradcomp_hook = self.build_hook(ddp.module, ddp.process_group, node_id, timeout)
+        if self._pending_hook_state is not None:
+            self.gradcomp_hook.load_state_dict(self._pending_hook_state)
+            self._pending_hook_state = None
+        ddp.register_comm_hook(state=self.gradcomp_hook, hook=gradcomp_comm_hook)
+        return self.gradcomp_hook
+
+    def check_momentum_correction(
+        self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], optimizers: Iterable[torch.optim.Optimizer]
+    ) -> None:
+        """Under momentum correction the momentum is applied before sparsifying: refuse it twice.
+
+        The optimizer must not add its own momentum to the compressed parameters (Lin et al., 2018,
+        Sec. 3.2); parameters averaged densely (biases, a dense last layer) may keep theirs in a
+        parameter group of their own.
+        """
+        if not getattr(self.memory, "momentum", 0.0) or self.gradcomp_hook is None:
+            return
+        compressed = {name for unit in self.gradcomp_hook.units if unit.compressed for name in unit.names}
+        names = {id(p): name for name, p in named_parameters}
+        for optimizer in optimizers:
+            for index, group in enumerate(optimizer.param_groups):
+                clash = sorted(names[id(p)] for p in group["params"] if names.get(id(p)) in compressed)
+                if group.get("momentum", 0.0) and clash:
+                    raise ValueError(
+                        f"memory_kwargs={{'momentum': {self.memory.momentum}}} applies momentum on each rank before "
+                        f"sparsifying (DGC's momentum correction), but parameter group {index} of "
+                        f"{type(optimizer).__name__} adds momentum {group['momentum']} again to compressed "
+                        f"parameters {clash[:3]}{' ...' if len(clash) > 3 else ''}: give those momentum 0"
+                    )
+
+    def compression_settings(
+        self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], world_size: int
+    ) -> dict[str, str]:
+        """Every setting all ranks must share, as text: compared across ranks at setup."""
+        return {
+            "compressor": repr(self.compressor),
+            "memory": f"{self.memory.name} {getattr(self.memory, 'alpha', '')} {getattr(self.memory, 'momentum', '')}",
+            "aggregator": self.resolved_aggregator(world_size),
+            "granularity": self.granularity,
+            "unit_cap_mb": str(self.unit_cap_mb),
+            "warmup_steps": str(self.warmup_steps),
+            "min_compress_numel": str(self.min_compress_numel),
+            "density_schedule": str(self.density_schedule),
+            "density_warmup": repr(self.density_warmup),
+            "dense parameters": str(sorted(self.dense_parameter_names(named_parameters))),
+            "seed": str(self.seed),
+            "hierarchy": f"{self.hierarchy} {self.hierarchy_scheme}",
+            "parameters": str([(name, tuple(p.shape)) for name, p in named_parameters]),
+        }
+
+    def check_settings_agree(
+        self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], group: torch.distributed.ProcessGroup | None
+    ) -> None:
+        """Raise on every rank, naming what differs, when ranks were configured differently.
+
+        Different densities or compressors would make the ranks disagree on payload sizes: a hang or
+        garbage at the first compressed step. One object gather at setup rules that out; it also
+        hands every rank rank 0's run tag, which marks this run's checkpoint shards.
+        """
+        world_size = torch.distributed.get_world_size(group)
+        local = self.compression_settings(named_parameters, world_size)
+        if world_size == 1:
+            return
+        every: list[Any] = [None] * world_size
+        torch.distributed.all_gather_object(every, (local, self._run_tag), group=group)
+        self._run_tag = every[0][1]
+        every = [settings for settings, _ in every]
+        differences = [
+            f"{key}: " + ", ".join(f"rank {r} has {settings[key]}" for r, settings in enumerate(every))
+            for key in local
+            if len({settings[key] for settings in every}) > 1
+        ]
+        if differences:
+            raise ValueError("gradient compression settings differ across ranks; " + "; ".join(differences))
+
+    def compression_state(self) -> dict[str, Any]:
+        """This rank's compression state (memory and step counter), on the CPU."""
+        hook_state = dict(self.gradcomp_hook.state_dict()) if self.gradcomp_hook is not None else None
+        if hook_state is not None:
+            hook_state.pop("memory")  # saved under its own key, as shards of format 2 always had it
+        return {
+            "memory": self.memory.name,
+            "compressor": self.compressor.name,
+            "memory_state": {k: v.detach().cpu() for k, v in self.memory.state_dict().items()},
+            "hook": hook_state if hook_state is not None else self._pending_hook_state,
+        }
+
+    def save_compression_state(self, filepath: Any, rank: int, world_size: int) -> dict[str, Any]:
+        """Write this rank's compression state beside ``filepath``; the manifest the checkpoint should hold."""
+        self._saves += 1
+        tag = f"{self._run_tag}-{self._saves}"
+        write_shard(filepath, rank, world_size, {"tag": tag, **self.compression_state()})
+        return manifest(world_size, tag, self.memory.name, self.compressor.name)
+
+    def load_compression_state(
+        self, checkpoint_path: Any, saved: dict[str, Any], rank: int, world_size: int, device: torch.device
+    ) -> None:
+        """Give this rank its own compression state back from the checkpoint whose manifest is ``saved``.
+
+        Every rank reads its own shard; if any rank's shard is missing, unreadable or foreign, every
+        rank raises the same :class:`~lightning_gradcomp.checkpoint.ShardError` naming the files, and
+        nothing is restored. A checkpoint of another world size raises a ``ValueError`` naming both, or
+        (``on_world_size_change="reset"``) leaves the state fresh with a warning.
+        """
+        if saved["world_size"] != world_size:
+            message = (
+                f"the checkpoint {checkpoint_path} holds compression state of {saved['world_size']} ranks, "
+                f"but this run has {world_size}"
+            )
+            if self.on_world_size_change == "error":
+                raise ValueError(f"{message}; pass on_world_size_change='reset' to start the state afresh")
+            rank_zero_warn(f"{message}: compression state (residuals, shifts, step counter) starts afresh")
+            return
+        state, error = None, None
+        try:
+            state = self._read_state(checkpoint_path, saved, rank)
+        except ShardError as err:
+            error = str(err)
+        errors = self._every_rank(error)
+        if any(errors):
+            raise ShardError("; ".join(dict.fromkeys(e for e in errors if e)))
+        assert state is not None
+        self.memory.load_state_dict({k: v.to(device) for k, v in state["memory_state"].items()})
+        if state["hook"] is not None:
+            if self.gradcomp_hook is not None:
+                self.gradcomp_hook.load_state_dict(state["hook"])
+            else:
+                self._pending_hook_state = state["hook"]
+
+    def _read_state(self, checkpoint_path: Any, saved: dict[str, Any], rank: int) -> dict[str, Any]:
+        """This rank's state from a checkpoint's ``"gradcomp"`` entry: its shard, or inline (format 1)."""
+        version = saved.get("format", 1)
+        if version == 1:  # every rank's state gathered into the checkpoint
+            state = saved["ranks"][rank]
+        elif version == FORMAT:
+            state = read_shard(checkpoint_path, rank, saved)
+        else:
+            raise ShardError(
+                f"the checkpoint {checkpoint_path} holds compression state of format {version!r}; this version "
+                f"reads formats 1 and {FORMAT}"
+            )
+        for what, mine in (("memory", self.memory.name), ("compressor", self.compressor.name)):
+            theirs = state.get(what, saved.get(what))
+            if theirs is not None and theirs != mine:
+                raise ShardError(
+                    f"the checkpoint {checkpoint_path} holds compression state of {what}={theirs!r}, "
+                    f"but this run uses {what}={mine!r}"
+                )
+        return state
+
+    @staticmethod
+    def _every_rank(value: Any) -> list[Any]:
+        """``value`` from every rank of the world, in rank order (one object gather; just ``[value]`` alone)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return [value]
+        every: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, value)
+        return every
+
+
+#: The names of :class:`CompressionSettings`' arguments, in order.
+SETTINGS: tuple[str, ...] = tuple(inspect.signature(CompressionSettings).parameters)
+
+
+def split_settings(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``arguments`` split into the compression settings and the rest (the framework's own)."""
+    settings = {k: v for k, v in arguments.items() if k in SETTINGS}
+    return settings, {k: v for k, v in arguments.items() if k not in SETTINGS}

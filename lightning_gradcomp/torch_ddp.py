@@ -1,0 +1,71 @@
+"""``make_hook``: the compression hook for a hand-made ``DistributedDataParallel``, without Lightning's loops.
+
+::
+
+    ddp = DistributedDataParallel(model)
+    hook = make_hook(ddp, "ddp_topk")                    # or make_hook(ddp, compressor="topk", density=0.01, ...)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    ...
+    torch.save({"model": ddp.module.state_dict(), "hook": hook.state_dict()}, f"rank{rank}.pt")  # every rank
+    hook.load_state_dict(torch.load(f"rank{rank}.pt", weights_only=True)["hook"])                 # on resume
+
+The arguments and their checks are the strategies' (:class:`~lightning_gradcomp.settings.CompressionSettings`);
+``hook.state_dict()`` holds everything that makes a resumed run the run that never stopped (the step
+counter, the compressor's warm starts, the error-feedback residuals or DIANA shifts). It differs on
+every rank: each rank saves and loads its own.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp.hook import GradCompHook
+from lightning_gradcomp.presets import NAMED_STRATEGIES
+from lightning_gradcomp.settings import SETTINGS, CompressionSettings, refuse_density_schedule
+
+
+def make_hook(
+    model: torch.nn.Module,
+    preset: str | None = None,
+    *,
+    group: torch.distributed.ProcessGroup | None = None,
+    node_id: object = None,
+    timeout: timedelta | None = None,
+    **settings: Any,
+) -> GradCompHook:
+    """The hook (the ``state`` for ``ddp.register_comm_hook(state, gradcomp_comm_hook)``) for ``model``'s parameters.
+
+    Args:
+        model: the ``DistributedDataParallel`` (its module and process group are used) or the module it wraps.
+        preset: a named strategy (``"ddp_topk"``, ...; see :data:`~lightning_gradcomp.NAMED_STRATEGIES`) whose
+            arguments are the defaults of ``settings``.
+        group: the process group of the exchange when ``model`` is not a ``DistributedDataParallel`` (default:
+            the world).
+        node_id: this rank's node under ``hierarchy="node"`` (default: torchrun's ``GROUP_RANK``, else the host).
+        timeout: bound on the node groups' collectives under ``hierarchy="node"``.
+        **settings: the arguments of :class:`~lightning_gradcomp.GradCompStrategy` (``compressor``, ``memory``,
+            ``density``, ...), except ``density_schedule``.
+
+    Every rank must call it: it checks, in one gather, that all ranks were given the same settings.
+    """
+    if preset is not None and preset not in NAMED_STRATEGIES:
+        raise ValueError(f"preset must be one of {sorted(NAMED_STRATEGIES)}, got {preset!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or a DistributedDataParallel, got {type(model).__name__}")
+    refuse_density_schedule(settings.pop("density_schedule", None), "a plain torch loop")
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"make_hook got unknown arguments {unknown}; the settings are {sorted(SETTINGS)}")
+    arguments = {**(NAMED_STRATEGIES[preset][1] if preset is not None else {}), **settings}
+    config = CompressionSettings(**arguments)
+    if isinstance(model, DistributedDataParallel):
+        if group is not None and group != model.process_group:
+            raise ValueError("group differs from the DistributedDataParallel's own process group; pass one of them")
+        model, group = model.module, model.process_group
+    named = list(model.named_parameters())
+    config.check_settings_agree(named, group)
+    return config.build_hook(model, group, node_id, timeout)
