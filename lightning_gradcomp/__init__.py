@@ -8,10 +8,27 @@ and with Fabric (``Fabric(strategy="ddp_topk")``); :func:`make_hook` serves hand
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_gradcomp.compressors import COMPRESSORS, Compressor, IdentityCompressor, TopKCompressor
+from lightning_gradcomp.callbacks import BoundCheck, CompressionMonitor, GradientHistogram
+from lightning_gradcomp.comm import AGGREGATORS, AllgatherAggregator, AllreduceAggregator, GTopKAggregator
+from lightning_gradcomp.compressors import (
+    COMPRESSORS,
+    AtomoCompressor,
+    BlockQuantizer,
+    Compressor,
+    DGCCompressor,
+    GaussianKCompressor,
+    IdentityCompressor,
+    PowerSGDCompressor,
+    QSGDCompressor,
+    RandomKCompressor,
+    ScaledSignCompressor,
+    TernGradCompressor,
+    TopKCompressor,
+    WirePrecision,
+)
 from lightning_gradcomp.fabric import GradCompFabricStrategy
 from lightning_gradcomp.hook import GradCompHook, StepStats, gradcomp_comm_hook
-from lightning_gradcomp.memory import MEMORIES, ErrorFeedback, Memory, NoMemory
+from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
 from lightning_gradcomp.strategy import NAMED_STRATEGIES, GradCompStrategy
 from lightning_gradcomp.torch_ddp import make_hook
 
@@ -21,19 +38,37 @@ GradCompStrategy.register_strategies(StrategyRegistry)
 GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
+    "AGGREGATORS",
     "COMPRESSORS",
     "MEMORIES",
     "NAMED_STRATEGIES",
+    "AllgatherAggregator",
+    "AllreduceAggregator",
+    "AtomoCompressor",
+    "BlockQuantizer",
+    "BoundCheck",
+    "CompressionMonitor",
     "Compressor",
+    "DGCCompressor",
+    "Diana",
     "ErrorFeedback",
+    "GTopKAggregator",
+    "GaussianKCompressor",
     "GradCompFabricStrategy",
     "GradCompHook",
     "GradCompStrategy",
+    "GradientHistogram",
     "IdentityCompressor",
     "Memory",
     "NoMemory",
+    "PowerSGDCompressor",
+    "QSGDCompressor",
+    "RandomKCompressor",
+    "ScaledSignCompressor",
     "StepStats",
+    "TernGradCompressor",
     "TopKCompressor",
+    "WirePrecision",
     "__version__",
     "gradcomp_comm_hook",
     "make_hook",

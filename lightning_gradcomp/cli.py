@@ -232,6 +232,8 @@ class GradCompCLI(LightningCLI):
             save_config_kwargs={"overwrite": True},
             parser_kwargs={
                 "prog": PROG,
+                # compare and demo are dispatched before LightningCLI parses: name them in the usage line too
+                "usage": f"{PROG} [-h] [-c CONFIG] {{fit,validate,test,predict,compare,demo}} ...",
                 "description": "Train with compressed gradient exchange: LightningCLI with the gradcomp strategies.",
                 "formatter_class": _HelpFormatter,
                 "epilog": epilog,

@@ -59,6 +59,8 @@ class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
         settings, ddp_kwargs = split_settings(kwargs)
         refuse_density_schedule(settings.pop("density_schedule", None), "a Fabric loop")
         CompressionSettings.__init__(self, **settings)
+        #: bounds the collectives of the node groups that ``hierarchy="node"`` creates, as the world's
+        self.process_group_timeout = timeout
         DDPStrategy.__init__(
             self,
             accelerator=accelerator,
@@ -78,7 +80,7 @@ class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
         """Wrap ``module`` in ``DistributedDataParallel`` (Fabric's) and register the compression hook on it."""
         ddp = super().setup_module(module)
         node_id = self.cluster_environment.node_rank() if self.cluster_environment is not None else None
-        self.install_hook(ddp, node_id=node_id, timeout=self._timeout)
+        self.install_hook(ddp, node_id=node_id, timeout=self.process_group_timeout)
         self._module = module
         return ddp
 

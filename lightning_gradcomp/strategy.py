@@ -46,13 +46,17 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
     CUDA; this strategy registers its hook on every device (gloo on CPU included).
 
     Args:
-        compressor: a registry name (``"none"``, ``"topk"``) or a :class:`Compressor` instance.
+        compressor: a registry name (``"none"``, ``"topk"``, ``"gaussiank"``, ``"dgc"``, ``"randomk"``, ``"sign"``,
+            ``"terngrad"``, ``"quantizer"``, ``"qsgd"``, ``"atomo"``, ``"powersgd"``;
+            :data:`~lightning_gradcomp.COMPRESSORS`) or a :class:`Compressor` instance.
         memory: ``"none"``, ``"ef"`` (error feedback) or ``"diana"`` (compressed gradient
             differences; needs a compressor unbiased for the gradient it is given).
         memory_kwargs: arguments of the memory, e.g. ``{"alpha": 0.5}`` for DIANA (default
             ``1 / (omega + 1)`` from the quantizer's variance bound).
-        aggregator: ``"allreduce"``, ``"allgather"``, or ``"auto"`` (the compressor's choice for
-            the world size: allgather for sparse payloads, allreduce otherwise by default).
+        aggregator: ``"allreduce"``, ``"allgather"``, ``"gtopk"`` (sparse sets merged pairwise in
+            log2(P) rounds, Shi et al., ICDCS 2019, Sec. IV; for the Top-k family), or ``"auto"`` (the
+            compressor's choice for the world size: allgather for sparse payloads, allreduce otherwise by
+            default).
         granularity: what is compressed together, decided by the parameters alone (never by DDP's
             buckets, which change after the first step and after a restart): ``"layer"``, each
             parameter in its own shape; ``"model"``, all compressed parameters as one flat vector
@@ -139,6 +143,8 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
             kwargs.pop(key, None)
         arguments = locals()
         CompressionSettings.__init__(self, **{name: arguments[name] for name in SETTINGS})
+        #: bounds the collectives of the node groups that ``hierarchy="node"`` creates, as the world's
+        self.process_group_timeout = timeout
         DDPStrategy.__init__(
             self,
             accelerator=accelerator,
@@ -152,6 +158,7 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
             **kwargs,
         )
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Apply the density schedule for the current epoch before the step's backward pass."""
         super().on_train_batch_start(batch, batch_idx)
@@ -159,11 +166,15 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         if density is not None:
             self.compressor.density = density
 
-    def _register_ddp_hooks(self) -> None:
-        """Attach the compression hook, whatever the device (the parent does so only on CUDA)."""
+    @override
+    def configure_ddp(self) -> None:
+        """Wrap the module in ``DistributedDataParallel`` as Lightning does, then register the compression hook
+        on it, whatever the device (Lightning registers comm hooks on CUDA only, and has none to register here:
+        the strategy owns ``ddp_comm_hook``)."""
+        super().configure_ddp()
         assert isinstance(self.model, DistributedDataParallel)
         node_id = self.cluster_environment.node_rank() if self.cluster_environment is not None else None
-        self.install_hook(self.model, node_id=node_id, timeout=self._timeout)
+        self.install_hook(self.model, node_id=node_id, timeout=self.process_group_timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

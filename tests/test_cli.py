@@ -38,6 +38,8 @@ def test_help_lists_registered_strategies_and_compressors(argv: list[str], capsy
     out = capsys.readouterr().out
     for name in ("fit", "validate", "compare", *gradcomp_strategies(), *COMPRESSORS):
         assert re.search(rf"\b{name}\b", out), f"{name!r} missing from gradcomp --help"
+    usage = out[out.index("usage:") :].splitlines()[0]
+    assert "{fit,validate,test,predict,compare,demo}" in usage
     assert "ddp_topk" in out and "registered strategies" in out and "compressors" in out
 
 

@@ -238,7 +238,7 @@ def test_terngrad_is_unbiased_for_the_clipped_gradient(clip_sigma: float, shared
 
 
 def test_an_inverted_comparison_would_be_caught() -> None:
-    # the check above has teeth: keeping when U >= |g|/s (the pitfall ALGORITHMS.md warns of) fails it
+    # the check above has teeth: keeping when U >= |g|/s fails it
     x = _gradient(1000, seed=1)
     scale = x.abs().max()
     gen = torch.Generator().manual_seed(11)

@@ -1,0 +1,68 @@
+"""The project's own documents: a CHANGELOG that names what main offers, and no reference outside the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import lightning_gradcomp
+import lightning_gradcomp.callbacks
+from lightning_gradcomp.comm import AGGREGATORS
+
+ROOT = Path(__file__).resolve().parents[1]
+CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
+KEEP_A_CHANGELOG_SECTIONS = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+
+
+def _features() -> list[str]:
+    return [
+        "ddp_gradcomp",
+        *lightning_gradcomp.NAMED_STRATEGIES,
+        *lightning_gradcomp.COMPRESSORS,
+        *AGGREGATORS,
+        *lightning_gradcomp.MEMORIES,
+        *lightning_gradcomp.callbacks.__all__,
+        "GradCompStrategy",
+        "GradCompFabricStrategy",
+        "make_hook",
+    ]
+
+
+@pytest.mark.parametrize("name", _features())
+def test_the_changelog_names_every_strategy_compressor_aggregator_memory_and_callback(name: str) -> None:
+    assert f"`{name}`" in CHANGELOG
+
+
+def test_the_changelog_has_keep_a_changelog_form_and_no_fragments() -> None:
+    assert CHANGELOG.startswith("# Changelog\n")
+    assert "## [Unreleased]" in CHANGELOG
+    sections = re.findall(r"^### (.+)$", CHANGELOG, flags=re.MULTILINE)
+    assert sections and set(sections) <= KEEP_A_CHANGELOG_SECTIONS
+    body = CHANGELOG[CHANGELOG.index("## [Unreleased]") :]
+    for number, line in enumerate(body.splitlines()):
+        if line and not line.startswith(("#", "- ", "  ")):
+            raise AssertionError(f"line {number} of the Unreleased part is neither a heading nor an entry: {line!r}")
+        if line.startswith("  "):
+            assert not line.lstrip().startswith((",", ")", ";")), f"a fragment: {line!r}"
+
+
+@pytest.mark.parametrize("folder", ["lightning_gradcomp", "recipes"])
+def test_no_file_of_the_package_or_the_recipes_refers_to_a_document_outside_the_repository(folder: str) -> None:
+    outside = re.compile(r"ALGORITHMS\.md|DESIGN\.md|\.\./shared")
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.suffix in {".py", ".yaml", ".md"} and outside.search(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_the_package_exports_every_compressor_aggregator_memory_callback_and_entry_point() -> None:
+    classes = {*lightning_gradcomp.COMPRESSORS.values(), *AGGREGATORS.values(), *lightning_gradcomp.MEMORIES.values()}
+    callbacks = {name for name in lightning_gradcomp.callbacks.__all__ if name[0].isupper() and "Error" not in name}
+    expected = {c.__name__ for c in classes} | {n for n in callbacks if n not in ("LayerBounds", "RankSummary")}
+    expected |= {"GradCompStrategy", "GradCompFabricStrategy", "make_hook", "gradcomp_comm_hook", "StepStats"}
+    assert expected <= set(lightning_gradcomp.__all__)
+    assert all(hasattr(lightning_gradcomp, name) for name in lightning_gradcomp.__all__)
