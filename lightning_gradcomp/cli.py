@@ -43,11 +43,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_gradcomp  # noqa: F401  (registers the named strategies with Lightning)
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.compressors import COMPRESSORS
-from lightning_gradcomp.compressors.topk import validate_density
 from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataError
 from lightning_gradcomp.examples.summary import BYTES_FROM_PARAMETERS, RunSummary
 from lightning_gradcomp.memory import MEMORIES
 from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.validation import check_density
 
 PROG = "gradcomp"
 #: ``gradcomp compare --strategies`` entry that keeps the recipe's own strategy.
@@ -303,7 +303,7 @@ def demo_main(argv: Sequence[str]) -> int:
     if args.devices < 1 or args.steps < 1:
         parser.error(f"--devices and --steps must be >= 1, got {args.devices} and {args.steps}")
     try:
-        validate_density(args.density)
+        check_density("density", args.density)
     except ValueError as err:
         parser.error(f"--density: {err}")
     from lightning_gradcomp.examples.demo import run_demo

@@ -65,6 +65,7 @@ from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
+from lightning_gradcomp.validation import check_choice
 from lightning_gradcomp.warm_start import WarmStarts
 
 __all__ = ["GRANULARITIES", "Capture", "GradCompHook", "LayerStats", "StepStats", "gradcomp_comm_hook"]
@@ -199,9 +200,7 @@ class GradCompHook:
         topology: "NodeTopology | None" = None,
     ) -> None:
         if isinstance(aggregator, str):
-            if aggregator not in AGGREGATORS:
-                raise ValueError(f"aggregator must be one of {sorted(AGGREGATORS)}, got {aggregator!r}")
-            aggregator = AGGREGATORS[aggregator]()
+            aggregator = AGGREGATORS[check_choice("aggregator", aggregator, sorted(AGGREGATORS))]()
         named_parameters = list(named_parameters)
         self.compressor = compressor
         self.memory = memory

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import Entries, SparseEntries, all_finite
+from lightning_gradcomp.validation import check_choice
 
 Sent = Tensor | Entries
 
@@ -349,8 +350,7 @@ MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ErrorFe
 
 def build_memory(name: str, **kwargs: Any) -> Memory:
     """A fresh memory from its registry name and keyword arguments."""
-    if not isinstance(name, str) or name not in MEMORIES:
-        raise ValueError(f"memory must be one of {sorted(MEMORIES)}, got {name!r}")
+    check_choice("memory", name, sorted(MEMORIES))
     try:
         return MEMORIES[name](**kwargs)
     except TypeError as err:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+from lightning_gradcomp.validation import check_density, check_int
+
 __all__ = ["DensityWarmup"]
 
 
@@ -32,10 +34,8 @@ class DensityWarmup:
 
     def __init__(self, target: float, steps: int, start: float = 0.25) -> None:
         for name, value in (("target", target), ("start", start)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-                raise ValueError(f"density warm-up {name} must be a density in (0, 1], got {value!r}")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"density warm-up steps must be an integer >= 0, got {steps!r}")
+            check_density(f"density warm-up {name}", value)
+        check_int("density warm-up steps", steps, 0)
         self.target = float(target)
         self.steps = steps
         self.start = float(start)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-import math
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -26,17 +25,11 @@ from lightning_gradcomp.checkpoint import FORMAT, ShardError, manifest, read_sha
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, NodeTopology, node_id_from_environment
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
-from lightning_gradcomp.compressors.topk import validate_density
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
 from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_positive_number
 
 
 def refuse_density_schedule(density_schedule: Sequence[float] | None, where: str) -> None:
@@ -86,8 +79,7 @@ class CompressionSettings:
                     "messages' precision at every round; use aggregator='allgather'"
                 )
             self.compressor = WirePrecision(self.compressor, wire_precision)
-        if not isinstance(memory, str) or memory not in MEMORIES:
-            raise ValueError(f"memory must be one of {sorted(MEMORIES)}, got {memory!r}")
+        check_choice("memory", memory, sorted(MEMORIES))
         memory_args = dict(memory_kwargs or {})
         if memory == Diana.name:
             if not self.compressor.unbiased:
@@ -103,8 +95,7 @@ class CompressionSettings:
                         f"bound omega(numel), and {self.compressor!r} has none"
                     )
                 memory_args["variance_bound"] = self.compressor.omega
-        if not isinstance(aggregator, str) or (aggregator not in AGGREGATORS and aggregator != "auto"):
-            raise ValueError(f"aggregator must be one of {[*sorted(AGGREGATORS), 'auto']}, got {aggregator!r}")
+        check_choice("aggregator", aggregator, [*sorted(AGGREGATORS), "auto"])
         if aggregator == "allreduce" and not self.compressor.summable_across_ranks:
             raise ValueError(
                 f"aggregator='allreduce' sums compressed codes across ranks, which {self.compressor!r} cannot do "
@@ -122,37 +113,25 @@ class CompressionSettings:
                 "unit_cap_mb. Use 'model' for one unit of the whole model (the gTop-k authors' setting)."
             )
             granularity = "group"
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
+        check_choice("granularity", granularity, GRANULARITIES)
         if granularity != "layer" and self.compressor.needs_layer_shape:
             raise ValueError(
                 f"granularity={granularity!r} hands {self.compressor.name!r} flat vectors, but it works on each "
                 "parameter's own shape; use granularity='layer'"
             )
-        if (
-            isinstance(unit_cap_mb, bool)
-            or not isinstance(unit_cap_mb, (int, float))
-            or not math.isfinite(unit_cap_mb)
-            or unit_cap_mb <= 0
-        ):
-            raise ValueError(f"unit_cap_mb must be a positive number of MiB, got {unit_cap_mb!r}")
-        self.unit_cap_mb = float(unit_cap_mb)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self.min_compress_numel = _check_int("min_compress_numel", min_compress_numel, 0)
-        self.seed = _check_int("seed", seed, 0)
+        self.unit_cap_mb = check_positive_number("unit_cap_mb", unit_cap_mb, "MiB")
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 0)
+        self.seed = check_int("seed", seed, 0)
         self.density_schedule = self._check_schedule(density_schedule)
         self.density_warmup = self._check_density_warmup(density_warmup_steps, density_warmup_start)
         if isinstance(dense_parameters, str) or not all(isinstance(p, str) for p in dense_parameters):
             raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
-        if not isinstance(keep_last_layer_dense, bool):
-            raise ValueError(f"keep_last_layer_dense must be True or False, got {keep_last_layer_dense!r}")
-        if on_world_size_change not in ("error", "reset"):
-            raise ValueError(f"on_world_size_change must be 'error' or 'reset', got {on_world_size_change!r}")
+        check_bool("keep_last_layer_dense", keep_last_layer_dense)
+        check_choice("on_world_size_change", on_world_size_change, ("error", "reset"))
         self.on_world_size_change = on_world_size_change
-        if hierarchy not in HIERARCHIES:
-            raise ValueError(f"hierarchy must be one of {list(HIERARCHIES)}, got {hierarchy!r}")
-        if hierarchy_scheme not in SCHEMES:
-            raise ValueError(f"hierarchy_scheme must be one of {list(SCHEMES)}, got {hierarchy_scheme!r}")
+        check_choice("hierarchy", hierarchy, HIERARCHIES)
+        check_choice("hierarchy_scheme", hierarchy_scheme, SCHEMES)
         self.hierarchy = hierarchy
         self.hierarchy_scheme = hierarchy_scheme
         self._pending_hook_state: dict | None = None
@@ -178,14 +157,13 @@ class CompressionSettings:
         if not hasattr(self.compressor, "density"):
             raise ValueError(f"density_schedule needs a compressor with a density; {self.compressor!r} has none")
         try:
-            return tuple(validate_density(d) for d in schedule)
+            return tuple(check_density("density", d) for d in schedule)
         except ValueError as err:
             raise ValueError(f"density_schedule: {err}") from None
 
     def _check_density_warmup(self, steps: int, start: float) -> DensityWarmup | None:
-        _check_int("density_warmup_steps", steps, 0)
-        if isinstance(start, bool) or not isinstance(start, (int, float)) or not 0.0 < start <= 1.0:
-            raise ValueError(f"density_warmup_start must be a density in (0, 1], got {start!r}")
+        check_int("density_warmup_steps", steps, 0)
+        check_density("density_warmup_start", start)
         if steps == 0:
             return None
         if not hasattr(self.compressor, "density"):

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.presets import NAMED_STRATEGIES
 from lightning_gradcomp.settings import SETTINGS, CompressionSettings, refuse_density_schedule
+from lightning_gradcomp.validation import check_choice
 
 
 def make_hook(
@@ -52,8 +53,8 @@ def make_hook(
 
     Every rank must call it: it checks, in one gather, that all ranks were given the same settings.
     """
-    if preset is not None and preset not in NAMED_STRATEGIES:
-        raise ValueError(f"preset must be one of {sorted(NAMED_STRATEGIES)}, got {preset!r}")
+    if preset is not None:
+        check_choice("preset", preset, sorted(NAMED_STRATEGIES))
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a DistributedDataParallel, got {type(model).__name__}")
     refuse_density_schedule(settings.pop("density_schedule", None), "a plain torch loop")

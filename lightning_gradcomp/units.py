@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.validation import check_choice
+
 GRANULARITIES = ("layer", "model", "group")
 
 #: Default cap of a ``"group"`` unit and of a dense unit, as DDP's default ``bucket_cap_mb``.
@@ -105,8 +107,7 @@ def plan_units(
     Compressed units come first, then dense ones; each lists its parameters in reverse
     registration order.
     """
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
+    check_choice("granularity", granularity, GRANULARITIES)
     trained = [(n, p) for n, p in named_parameters if p.requires_grad][::-1]
     compressed = [(n, p) for n, p in trained if is_compressed(n, p, min_compress_numel, dense_names)]
     dense = [(n, p) for n, p in trained if not is_compressed(n, p, min_compress_numel, dense_names)]

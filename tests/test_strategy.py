@@ -147,7 +147,7 @@ def test_density_warmup_falls_geometrically_to_the_density_and_is_validated() ->
     assert DensityWarmup(0.5, steps=10, start=0.25).density(0) == 0.5  # target above start: no warm-up
     with pytest.raises(ValueError, match="density warm-up steps must be an integer >= 0, got -1"):
         DensityWarmup(0.01, steps=-1)
-    with pytest.raises(ValueError, match=r"density warm-up start must be a density in \(0, 1\], got 0"):
+    with pytest.raises(ValueError, match=r"density warm-up start must be a number in \(0, 1\], got 0"):
         DensityWarmup(0.01, steps=1, start=0)
 
 
@@ -161,7 +161,7 @@ def test_density_warmup_argument_of_the_strategy() -> None:
     assert GradCompStrategy(compressor="topk").density_warmup is None
     with pytest.raises(ValueError, match=r"density_warmup_steps must be an integer >= 0, got 1\.5"):
         GradCompStrategy(density_warmup_steps=1.5)
-    with pytest.raises(ValueError, match=r"density_warmup_start must be a density in \(0, 1\], got 2"):
+    with pytest.raises(ValueError, match=r"density_warmup_start must be a number in \(0, 1\], got 2"):
         GradCompStrategy(density_warmup_steps=5, density_warmup_start=2)
     with pytest.raises(ValueError, match="density_warmup_steps needs a compressor with a density"):
         GradCompStrategy(compressor="terngrad", memory="none", density_warmup_steps=5)

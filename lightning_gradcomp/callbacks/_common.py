@@ -8,7 +8,6 @@ done. Everything here runs on every rank unless stated otherwise, so collectives
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,13 +16,6 @@ import torch.distributed as dist
 from lightning_gradcomp.hook import GradCompHook, StepStats
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.units import is_compressed
-
-
-def check_frequency(name: str, value: Any) -> int:
-    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming ``name`` and the value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 def check_layer_list(name: str, layers: Sequence[str] | None) -> tuple[str, ...] | None:

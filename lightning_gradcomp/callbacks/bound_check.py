@@ -46,7 +46,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradcomp.callbacks._common import (
-    check_frequency,
     check_layer_list,
     compressed_parameters,
     gather_vectors,
@@ -56,6 +55,7 @@ from lightning_gradcomp.callbacks._common import (
     resolve_layers,
 )
 from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.validation import check_bool, check_choice, check_int
 
 ON_VIOLATION = ("ignore", "warn", "stop", "raise")
 #: The bounds, in the order their violation counts travel between ranks.
@@ -179,11 +179,9 @@ class BoundCheck(pl.Callback):
         rtol: float = 1e-6,
     ) -> None:
         self.layers = check_layer_list("layers", layers)
-        self.every_n_steps = check_frequency("every_n_steps", every_n_steps)
-        if on_violation not in ON_VIOLATION:
-            raise ValueError(f"on_violation must be one of {list(ON_VIOLATION)}, got {on_violation!r}")
-        if not isinstance(log_layers, bool):
-            raise ValueError(f"log_layers must be True or False, got {log_layers!r}")
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
+        check_choice("on_violation", on_violation, ON_VIOLATION)
+        check_bool("log_layers", log_layers)
         if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not (0.0 <= rtol < 1.0):
             raise ValueError(f"rtol must be a number in [0, 1), got {rtol!r}")
         self.on_violation = on_violation

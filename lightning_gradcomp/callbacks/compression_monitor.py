@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_gradcomp.callbacks._common import (
-    check_frequency,
     gather_vectors,
     hook_of,
     log_to_loggers,
@@ -25,6 +24,7 @@ from lightning_gradcomp.callbacks._common import (
     require_strategy,
 )
 from lightning_gradcomp.hook import StepStats
+from lightning_gradcomp.validation import check_bool, check_int
 
 
 @dataclass
@@ -167,16 +167,15 @@ class CompressionMonitor(pl.Callback):
         print_summary: bool = True,
         prefix: str = "gradcomp/",
     ) -> None:
-        self.every_n_steps = check_frequency("every_n_steps", every_n_steps)
-        self.progress_bar_every_n_steps = check_frequency("progress_bar_every_n_steps", progress_bar_every_n_steps)
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
+        self.progress_bar_every_n_steps = check_int("progress_bar_every_n_steps", progress_bar_every_n_steps, 1)
         for name, value in (
             ("per_layer", per_layer),
             ("per_rank", per_rank),
             ("progress_bar", progress_bar),
             ("print_summary", print_summary),
         ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+            check_bool(name, value)
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a string, got {prefix!r}")
         self.per_layer = per_layer

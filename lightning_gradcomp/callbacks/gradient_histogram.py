@@ -24,7 +24,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from lightning_gradcomp.callbacks._common import (
-    check_frequency,
     check_layer_list,
     compressed_parameters,
     hook_of,
@@ -33,6 +32,7 @@ from lightning_gradcomp.callbacks._common import (
     resolve_layers,
 )
 from lightning_gradcomp.hook import Capture
+from lightning_gradcomp.validation import check_choice, check_int
 
 BACKENDS = ("auto", "tensorboard", "png")
 #: The captured tensors drawn, in panel order.
@@ -104,11 +104,9 @@ class GradientHistogram(pl.Callback):
         dirname: str = "gradient_histograms",
     ) -> None:
         self.layers = check_layer_list("layers", layers)
-        self.every_n_steps = check_frequency("every_n_steps", every_n_steps)
-        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2:
-            raise ValueError(f"bins must be an integer >= 2, got {bins!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
+        check_int("bins", bins, 2)
+        check_choice("backend", backend, BACKENDS)
         if not isinstance(dirname, str) or not dirname:
             raise ValueError(f"dirname must be a non-empty string, got {dirname!r}")
         self.bins = bins

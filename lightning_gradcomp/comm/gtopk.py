@@ -56,6 +56,7 @@ from lightning_gradcomp.compressors import IdentityCompressor, SparseEntries, Sp
 from lightning_gradcomp.compressors.sparse import index_dtype, itemsize
 from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.validation import check_density
 
 _COUNT_DTYPE = torch.int64
 
@@ -208,12 +209,13 @@ class PointToPoint:
 
 def _density(codec: object) -> float:
     density = getattr(codec, "density", None)
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+    try:
+        return check_density("density", density)
+    except ValueError:
         raise ValueError(
             f"gtopk needs the compressor's density in (0, 1] to size its sets; "
             f"{type(codec).__name__} has density={density!r}"
-        )
-    return float(density)
+        ) from None
 
 
 class GTopKAggregator(Aggregator):

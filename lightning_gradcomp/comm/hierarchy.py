@@ -44,6 +44,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.comm.counter import CommCounter
+from lightning_gradcomp.validation import check_choice
 
 #: The strategy's ``hierarchy`` values: every rank alike, or dense inside nodes and compressed between them.
 HIERARCHIES = ("none", "node")
@@ -146,8 +147,7 @@ class NodeTopology:
         counter: CommCounter | None = None,
         timeout: timedelta | None = None,
     ) -> None:
-        if scheme not in SCHEMES:
-            raise ValueError(f"hierarchy scheme must be one of {list(SCHEMES)}, got {scheme!r}")
+        check_choice("hierarchy_scheme", scheme, SCHEMES)
         if len(layout.nodes) < 2:
             raise ValueError(f"a node topology needs at least two nodes, got {layout.nodes}")
         if layout.world_size != dist.get_world_size():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.validation import check_int
+
 
 class MagnitudeBlocks:
     """The largest ``|x|`` of each block of ``block`` consecutive entries, to find large entries without a full pass.
@@ -17,8 +19,7 @@ class MagnitudeBlocks:
     """
 
     def __init__(self, flat: Tensor, block: int = 64) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(f"block must be an integer >= 1, got {block!r}")
+        check_int("block", block, 1)
         self.flat = flat
         self.block = block
         self._full = flat.numel() // block

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from lightning_gradcomp.compressors.topk import TopKCompressor, validate_density
+from lightning_gradcomp.compressors.topk import TopKCompressor
+from lightning_gradcomp.validation import check_density, check_int
 
 
 class DGCCompressor(TopKCompressor):
@@ -42,13 +43,8 @@ class DGCCompressor(TopKCompressor):
         self, density: float = 0.001, sample_ratio: float = 0.01, min_samples: int = 1000, margin: float = 3.0
     ) -> None:
         super().__init__(density)
-        try:
-            self.sample_ratio = validate_density(sample_ratio)
-        except ValueError:
-            raise ValueError(f"sample_ratio must be a number in (0, 1], got {sample_ratio!r}") from None
-        if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
-            raise ValueError(f"min_samples must be an integer >= 1, got {min_samples!r}")
-        self.min_samples = min_samples
+        self.sample_ratio = check_density("sample_ratio", sample_ratio)
+        self.min_samples = check_int("min_samples", min_samples, 1)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
         self.margin = float(margin)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for, validate_density
+from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
+from lightning_gradcomp.validation import check_density
 
 
 def validate_scaled(scaled: bool) -> bool:
@@ -65,7 +66,7 @@ class RandomKCompressor(FixedKSparsifier):
     name = "randomk"
 
     def __init__(self, density: float = 0.01, scaled: bool = True) -> None:
-        self.density = validate_density(density)
+        self.density = check_density("density", density)
         self.scaled = validate_scaled(scaled)
 
     @property

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,15 +159,6 @@ class SparseEntries:
 def dense_of(entries: Tensor | Entries) -> Tensor:
     """The dense flat tensor of ``entries``, whether they are kept encoded or already dense."""
     return entries if isinstance(entries, Tensor) else entries.to_dense()
-
-
-def validate_density(density: float) -> float:
-    """Return ``density`` as a float, or raise ``ValueError`` unless it lies in (0, 1]."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < density <= 1.0):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-    if not math.isfinite(density):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-    return float(density)
 
 
 def k_for(numel: int, density: float) -> int:

@@ -29,6 +29,7 @@ from lightning_gradcomp.compressors.ternary import (
     stochastic_ternary,
     working_dtype,
 )
+from lightning_gradcomp.validation import check_bool
 
 #: Largest world size whose code sums fit in int8; above it the summable form is int32 (gloo has no int16).
 INT8_WORLD_LIMIT = 127
@@ -80,8 +81,7 @@ class TernGradCompressor(Compressor):
 
     def __init__(self, clip_sigma: float = 2.5, share_scale: bool = True) -> None:
         self.clip_sigma = validate_clip_sigma(clip_sigma)
-        if not isinstance(share_scale, bool):
-            raise ValueError(f"share_scale must be True or False, got {share_scale!r}")
+        check_bool("share_scale", share_scale)
         self.share_scale = share_scale
 
     @property

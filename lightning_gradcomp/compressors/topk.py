@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
-from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for, validate_density
+from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
+from lightning_gradcomp.validation import check_density
 
 
 class TopKCompressor(FixedKSparsifier):
@@ -47,7 +48,7 @@ class TopKCompressor(FixedKSparsifier):
     margin: float = 3.0
 
     def __init__(self, density: float = 0.001) -> None:
-        self.density = validate_density(density)
+        self.density = check_density("density", density)
 
     def sample_size(self, numel: int) -> int:
         """Entries sampled from a tensor of ``numel`` entries (``>= numel`` means: ``torch.topk`` instead)."""

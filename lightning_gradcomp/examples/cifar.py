@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataError, check_positive_int
+from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataError
+from lightning_gradcomp.validation import check_bool, check_int
 
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch"
@@ -161,11 +162,10 @@ class CIFAR10DataModule(pl.LightningDataModule):
         val_batch_size: int = 500,
     ) -> None:
         super().__init__()
-        if not isinstance(augment, bool):
-            raise ValueError(f"augment must be True or False, got {augment!r}")
-        self.batch_size = check_positive_int("batch_size", batch_size)
-        self.val_batch_size = check_positive_int("val_batch_size", val_batch_size)
-        self.num_workers = check_positive_int("num_workers", num_workers, 0)
+        check_bool("augment", augment)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.val_batch_size = check_int("val_batch_size", val_batch_size, 1)
+        self.num_workers = check_int("num_workers", num_workers, 0)
         self.data_dir, self.augment = data_dir, augment
         cifar10_dir(data_dir)  # fail now, before processes are launched, if a file is missing
         self.train_set: TensorDataset | None = None

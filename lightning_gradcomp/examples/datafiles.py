@@ -38,10 +38,3 @@ class CorruptDataError(ValueError):
         super().__init__(
             f"{dataset} data: {self.path} is corrupt or not a {dataset} file ({problem}); expected {expected}"
         )
-
-
-def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` if it is an integer >= ``minimum``, else a ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value

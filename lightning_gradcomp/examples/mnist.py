@@ -10,7 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataError, check_positive_int
+from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataError
+from lightning_gradcomp.validation import check_choice, check_int
 
 #: File stems of each split, as distributed by the dataset's authors (``.gz`` or uncompressed).
 MNIST_FILES = {
@@ -53,8 +54,7 @@ def _candidates(stem: str) -> tuple[str, ...]:
 
 def mnist_files(data_dir: str | Path, split: str) -> tuple[Path, Path]:
     """Paths of the ``split``'s image and label files in ``data_dir``, or :class:`MissingDataError`."""
-    if split not in MNIST_FILES:
-        raise ValueError(f"split must be one of {sorted(MNIST_FILES)}, got {split!r}")
+    check_choice("split", split, sorted(MNIST_FILES))
     data_dir = Path(data_dir)
     found: list[Path] = []
     missing: list[str] = []
@@ -99,11 +99,10 @@ class MNISTDataModule(pl.LightningDataModule):
         self, data_dir: str, batch_size: int = 64, train_split: str = "train", holdout: int = 0, num_workers: int = 0
     ) -> None:
         super().__init__()
-        if train_split not in MNIST_FILES:
-            raise ValueError(f"train_split must be one of {sorted(MNIST_FILES)}, got {train_split!r}")
-        self.batch_size = check_positive_int("batch_size", batch_size)
-        self.holdout = check_positive_int("holdout", holdout, 0)
-        self.num_workers = check_positive_int("num_workers", num_workers, 0)
+        check_choice("train_split", train_split, sorted(MNIST_FILES))
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.holdout = check_int("holdout", holdout, 0)
+        self.num_workers = check_int("num_workers", num_workers, 0)
         self.data_dir, self.train_split = data_dir, train_split
         self._check_files()  # fail now, before processes are launched, if a file is missing
         self.train_set: TensorDataset | None = None

@@ -14,11 +14,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+from lightning_gradcomp.validation import check_int
 
 
 class LeNet5(nn.Module):
@@ -26,7 +22,7 @@ class LeNet5(nn.Module):
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        _check_int("num_classes", num_classes, 2)
+        check_int("num_classes", num_classes, 2)
         self.features = nn.Sequential(
             nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
@@ -101,7 +97,7 @@ class CifarResNet(nn.Module):
         super().__init__()
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
             raise ValueError(f"depth must be an integer 6n + 2 >= 8 (20, 32, 44, 56, 110, ...), got {depth!r}")
-        _check_int("num_classes", num_classes, 2)
+        check_int("num_classes", num_classes, 2)
         n = (depth - 2) // 6
         self.conv = nn.Conv2d(3, 16, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(16)
@@ -140,7 +136,7 @@ class ResNet18(nn.Module):
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        _check_int("num_classes", num_classes, 2)
+        check_int("num_classes", num_classes, 2)
         self.conv = nn.Conv2d(3, 64, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(64)
         blocks: list[nn.Module] = []
@@ -173,8 +169,8 @@ class AlexNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, hidden: int = 4096, dropout: float = 0.5) -> None:
         super().__init__()
-        _check_int("num_classes", num_classes, 2)
-        _check_int("hidden", hidden, 1)
+        check_int("num_classes", num_classes, 2)
+        check_int("hidden", hidden, 1)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
         self.features = nn.Sequential(

@@ -23,6 +23,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from rich.console import Console
 from rich.table import Table
 
+from lightning_gradcomp.validation import check_bool
+
 #: Where the bytes of a summary come from.
 BYTES_FROM_HOOK = "hook"
 BYTES_FROM_PARAMETERS = "parameters"
@@ -60,8 +62,7 @@ class RunSummary(Callback):
         super().__init__()
         if path is not None and (not isinstance(path, str) or not path):
             raise ValueError(f"path must be a file name or None, got {path!r}")
-        if not isinstance(print_table, bool):
-            raise ValueError(f"print_table must be True or False, got {print_table!r}")
+        check_bool("print_table", print_table)
         for name, value in (("accuracy", accuracy), ("loss", loss)):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a metric name, got {value!r}")

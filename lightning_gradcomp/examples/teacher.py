@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
-from lightning_gradcomp.examples.datafiles import check_positive_int
+from lightning_gradcomp.validation import check_int
 
 
 def teacher_dataset(n: int, features: int, classes: int, seed: int) -> TensorDataset:
@@ -52,7 +52,7 @@ class TeacherDataModule(pl.LightningDataModule):
             ("batch_size", batch_size, 1),
             ("seed", seed, 0),
         ):
-            check_positive_int(name, value, minimum)
+            check_int(name, value, minimum)
         self.features, self.classes, self.batch_size = features, classes, batch_size
         self.train_size, self.val_size, self.seed = train_size, val_size, seed
 
@@ -78,7 +78,7 @@ class MLPClassifier(pl.LightningModule):
     def __init__(self, features: int = 64, hidden: int = 512, classes: int = 10, lr: float = 0.05) -> None:
         super().__init__()
         for name, value, minimum in (("features", features, 1), ("hidden", hidden, 1), ("classes", classes, 2)):
-            check_positive_int(name, value, minimum)
+            check_int(name, value, minimum)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError(f"lr must be a number > 0, got {lr!r}")
         self.save_hyperparameters()
