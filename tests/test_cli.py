@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_gradcomp.cli import compare_main, gradcomp_strategies, main
+from lightning_gradcomp.catalog import gradcomp_strategies
+from lightning_gradcomp.cli import main
+from lightning_gradcomp.compare import compare_main
 from lightning_gradcomp.compressors import COMPRESSORS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,7 +232,7 @@ def _row(strategy: str, acc: float | None, sent: float, fit: float, source: str 
 def test_compare_table_shows_each_run_against_the_dense_baseline() -> None:
     from rich.console import Console
 
-    from lightning_gradcomp.cli import comparison_table
+    from lightning_gradcomp.compare import comparison_table
 
     rows = [_row("ddp", 0.8765, 1_000_000.0, 4.0, source="parameters"), _row("ddp_topk", 0.8615, 20_000.0, 5.0),
             _row("ddp_atomo", None, 1.0, 0.0, ok=False)]  # fmt: skip

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import inspect
+from collections.abc import Sequence
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -9,8 +12,11 @@ import torch.distributed
 from rich.console import Console
 from rich.table import Table
 
+from lightning_gradcomp.catalog import PROG
+from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.examples.teacher import MLPClassifier, TeacherDataModule
 from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.validation import check_density
 
 
 def run_demo(
@@ -55,3 +61,29 @@ def run_demo(
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # a clean exit: gloo threads joined, not killed
     return summary
+
+
+def _demo_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} demo", description="Train a small MLP on CPU processes and show the bytes saved."
+    )
+    parser.add_argument("--devices", type=int, default=2, help="CPU processes (default: 2)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    sparsifiers = sorted(name for name, cls in COMPRESSORS.items() if "density" in inspect.signature(cls).parameters)
+    parser.add_argument("--compressor", choices=["none", *sparsifiers], default="topk")
+    parser.add_argument("--density", type=float, default=0.01, help="Top-k density in (0, 1] (default: 0.01)")
+    return parser
+
+
+def demo_main(argv: Sequence[str]) -> int:
+    """``gradcomp demo``: :func:`run_demo` with checked arguments."""
+    parser = _demo_parser()
+    args = parser.parse_args(list(argv))
+    if args.devices < 1 or args.steps < 1:
+        parser.error(f"--devices and --steps must be >= 1, got {args.devices} and {args.steps}")
+    try:
+        check_density("density", args.density)
+    except ValueError as err:
+        parser.error(f"--density: {err}")
+    run_demo(devices=args.devices, steps=args.steps, compressor=args.compressor, density=args.density)
+    return 0
