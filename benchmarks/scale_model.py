@@ -20,11 +20,14 @@ A step costs its computation plus its exchange, in the alpha-beta (Hockney) mode
   owner shares its estimate), ``2 * 2 (L - 1) / L * 4d`` bytes, and runs the method among
   ``N`` nodes on shards of ``d / L``: a link then carries ``(N - 1) B`` for an allgather, ``log2(N) B``
   for gTop-k.
-* **Links** on this machine are measured (``calibrate``): ping-pong of 1 KB to 8 MB messages between two
-  namespaces joined by the shaped veth pair (``tc tbf``, as ``network.py`` builds them) and between two
-  processes of one namespace (the loopback inside a node), least squares for alpha and beta. On a cluster
-  (``predict``) they are parameters: 8 GPUs a node on NVLink-class links (300 GB/s, 5 us), nodes on
-  10, 25 or 100 Gbit/s at 95.6% of the line rate (1448 payload bytes per 1514-byte Ethernet frame), 10 us.
+* **Links** on this machine are measured (``calibrate``), in the layout and under the load of the runs
+  they are compared with: every rank sends 1 KB to 8 MB along a ring that changes node at every hop
+  while it receives (a ring step's traffic, both directions at once), through the shaped veth links
+  between namespaces (``tc tbf``, as ``network.py`` builds them), then to its partner inside its node
+  over the node's loopback. beta comes from the two largest messages, alpha from the smallest (see
+  :func:`fit_link`). On a cluster (``predict``) they are parameters: 8 GPUs a node on NVLink-class
+  links (300 GB/s, 5 us), nodes on 10, 25 or 100 Gbit/s at 95.6% of the line rate (1448 payload bytes
+  per 1514-byte Ethernet frame), 10 us.
 
 The model counts no overlap of the exchange with the backward pass, no congestion beyond a node's link,
 and rings only (NCCL switches to trees at scale, which shortens dense allreduce's ``2 (P - 1)`` latency
@@ -497,10 +500,15 @@ def crossovers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for params, rate, method in keys:
         series = sorted((r for r in rows if (r["params"], r["rate"], r["method"]) == (params, rate, method)),
                         key=lambda r: r["ranks"])  # fmt: skip
-        faster = [r["ranks"] for r in series if r["speedup_vs_dense"] > 1.0]
+        ahead = [r["speedup_vs_dense"] > 1.0 for r in series]
+        first = next((i for i, a in enumerate(ahead) if a), None)
+        last = first
+        while last is not None and last + 1 < len(series) and ahead[last + 1]:
+            last += 1  # the first run of rank counts where it beats dense, up to where it stops
         best = max(series, key=lambda r: r["speedup_vs_dense"])
         found.append({"params": params, "rate": rate, "method": method,
-                      "faster_from": min(faster) if faster else None, "faster_until": max(faster) if faster else None,
+                      "faster_from": series[first]["ranks"] if first is not None else None,
+                      "faster_until": series[last]["ranks"] if last is not None else None,
                       "best_speedup": best["speedup_vs_dense"], "best_at": best["ranks"]})  # fmt: skip
     return found
 
@@ -523,7 +531,7 @@ def overtakes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return found
 
 
-def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, title: str, per_node: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -546,7 +554,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{size / 1e6:g}M parameters, {rate}")
-            ax.set_xlabel("ranks (8 per node)")
+            ax.set_xlabel(f"ranks ({per_node} per node)")
             ax.set_ylabel("predicted speed-up over dense ring allreduce")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
@@ -626,8 +634,9 @@ def main(argv: list[str] | None = None) -> int:
         report = {"settings": {k: v for k, v in vars(args).items() if k not in ("command", "plot", "json")},
                   "predictions": rows, "crossovers": found, "overtakes": passes}  # fmt: skip
         if args.plot:
-            plot(rows, args.plot, f"compute x{args.compute_scale:g} of one CPU core's (measured); "
-                 f"{args.gpus_per_node} ranks a node at {args.intra_gbytes_per_s:g} GB/s")  # fmt: skip
+            title = (f"compute x{args.compute_scale:g} of one CPU core's (measured); "
+                     f"{args.gpus_per_node} ranks a node at {args.intra_gbytes_per_s:g} GB/s")  # fmt: skip
+            plot(rows, args.plot, title, args.gpus_per_node)
     if getattr(args, "json", None):
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -635,5 +644,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     raise SystemExit(main())

@@ -175,7 +175,8 @@ class GradCompCLI(LightningCLI):
             parser_kwargs={
                 "prog": PROG,
                 # compare and demo are dispatched before LightningCLI parses: name them in the usage line too
-                "usage": f"{PROG} [-h] [-c CONFIG] {{fit,validate,test,predict,compare,demo}} ...",
+                "usage": f"{PROG} [-h] [-c CONFIG] [--print_config[=flags]] "
+                "{fit,validate,test,predict,compare,demo} ...",
                 "description": "Train with compressed gradient exchange: LightningCLI with the gradcomp strategies.",
                 "formatter_class": _HelpFormatter,
                 "epilog": epilog,

@@ -15,6 +15,8 @@ that never stopped. The per-step statistics are ``strategy.gradcomp_hook.history
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -30,7 +32,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.checkpoint import CHECKPOINT_KEY
 from lightning_gradcomp.presets import register_presets
-from lightning_gradcomp.settings import CompressionSettings, refuse_density_schedule, split_settings
+from lightning_gradcomp.settings import SETTINGS, CompressionSettings, refuse_density_schedule, split_settings
 
 
 class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
@@ -57,6 +59,14 @@ class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         settings, ddp_kwargs = split_settings(kwargs)
+        unknown = sorted(set(ddp_kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
+        if unknown:
+            close = {name: difflib.get_close_matches(name, SETTINGS, n=1) for name in unknown}
+            hints = "; ".join(f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match)
+            raise ValueError(
+                f"GradCompFabricStrategy got unknown arguments {unknown}: neither compression settings "
+                f"{sorted(SETTINGS)} nor DistributedDataParallel keywords{f' ({hints})' if hints else ''}"
+            )
         refuse_density_schedule(settings.pop("density_schedule", None), "a Fabric loop")
         CompressionSettings.__init__(self, **settings)
         #: bounds the collectives of the node groups that ``hierarchy="node"`` creates, as the world's
@@ -77,7 +87,16 @@ class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        """Wrap ``module`` in ``DistributedDataParallel`` (Fabric's) and register the compression hook on it."""
+        """Wrap ``module`` in ``DistributedDataParallel`` (Fabric's) and register the compression hook on it.
+
+        One model per strategy: a second model would share the first one's compressor and memory (their
+        residuals are keyed by parameter name), so it is refused.
+        """
+        if self.gradcomp_hook is not None:
+            raise RuntimeError(
+                "GradCompFabricStrategy compresses the gradients of one model, and fabric.setup already gave it "
+                "one; set up further models with their own Fabric, or wrap them in one module"
+            )
         ddp = super().setup_module(module)
         node_id = self.cluster_environment.node_rank() if self.cluster_environment is not None else None
         self.install_hook(ddp, node_id=node_id, timeout=self.process_group_timeout)

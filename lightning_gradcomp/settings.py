@@ -68,6 +68,11 @@ class CompressionSettings:
         hierarchy_scheme: Literal["sharded", "leader"] = "sharded",
         on_world_size_change: Literal["error", "reset"] = "error",
     ) -> None:
+        for name, value in (("compressor_kwargs", compressor_kwargs), ("memory_kwargs", memory_kwargs)):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a dictionary of keyword arguments or None, got {value!r}")
+        if isinstance(dense_parameters, (str, bytes)) or not isinstance(dense_parameters, (list, tuple)):
+            raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
         compressor_args = dict(compressor_kwargs or {})
         if density is not None:
             compressor_args["density"] = density
@@ -125,7 +130,7 @@ class CompressionSettings:
         self.seed = check_int("seed", seed, 0)
         self.density_schedule = self._check_schedule(density_schedule)
         self.density_warmup = self._check_density_warmup(density_warmup_steps, density_warmup_start)
-        if isinstance(dense_parameters, str) or not all(isinstance(p, str) for p in dense_parameters):
+        if not all(isinstance(p, str) for p in dense_parameters):
             raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
         check_bool("keep_last_layer_dense", keep_last_layer_dense)
         check_choice("on_world_size_change", on_world_size_change, ("error", "reset"))
@@ -243,11 +248,15 @@ class CompressionSettings:
         """The node topology of the world, or ``None`` (with a one-line info) when it is a single node."""
         if group is not None and group != torch.distributed.group.WORLD:
             raise ValueError("hierarchy='node' builds its node groups from the world; the hook's group must be it")
-        layout = NodeLayout.gather(node_id if node_id is not None else node_id_from_environment())
+        if node_id is None:  # a strategy knows its cluster's node rank; else torchrun's variables or the host
+            environment = getattr(self, "cluster_environment", None)
+            node_id = environment.node_rank() if environment is not None else node_id_from_environment()
+        layout = NodeLayout.gather(node_id)
         if len(layout.nodes) == 1:
             rank_zero_info("hierarchy='node' on a single node: gradients are averaged densely (no slow link to spare)")
             return None
-        return NodeTopology(layout, self.hierarchy_scheme, timeout=timeout or default_pg_timeout)
+        timeout = timeout or getattr(self, "process_group_timeout", None) or default_pg_timeout
+        return NodeTopology(layout, self.hierarchy_scheme, timeout=timeout)
 
     def _dense_hook(
         self, named: list[tuple[str, torch.nn.Parameter]], group: torch.distributed.ProcessGroup | None

@@ -211,6 +211,7 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         return checkpoint
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``ddp_gradcomp`` and the named presets in :data:`NAMED_STRATEGIES`."""
         register_presets(strategy_registry, cls, cls.strategy_name)

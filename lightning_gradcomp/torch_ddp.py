@@ -49,7 +49,7 @@ def make_hook(
         node_id: this rank's node under ``hierarchy="node"`` (default: torchrun's ``GROUP_RANK``, else the host).
         timeout: bound on the node groups' collectives under ``hierarchy="node"``.
         **settings: the arguments of :class:`~lightning_gradcomp.GradCompStrategy` (``compressor``, ``memory``,
-            ``density``, ...), except ``density_schedule``.
+            ``density``, ...), except ``density_schedule`` and ``on_world_size_change``.
 
     Every rank must call it: it checks, in one gather, that all ranks were given the same settings.
     """
@@ -58,6 +58,11 @@ def make_hook(
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a DistributedDataParallel, got {type(model).__name__}")
     refuse_density_schedule(settings.pop("density_schedule", None), "a plain torch loop")
+    if "on_world_size_change" in settings:
+        raise ValueError(
+            "on_world_size_change decides what the strategies do with a checkpoint of another world size; with "
+            "make_hook each rank loads its own hook.state_dict(), so the script decides"
+        )
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise ValueError(f"make_hook got unknown arguments {unknown}; the settings are {sorted(SETTINGS)}")

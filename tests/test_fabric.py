@@ -85,6 +85,17 @@ def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
     fabric, model, optimizer = _fabric(identity, world_size)
     _train(fabric, model, optimizer, rank, range(STEPS))
     out["identity"] = _weights(model)
+    try:
+        fabric.setup(_model(1), torch.optim.SGD(_model(1).parameters(), lr=0.1))
+        out["second model"] = None
+    except RuntimeError as err:
+        out["second model"] = str(err)
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(0))
+    try:
+        make_hook(ddp, "ddp_topk", density=0.01 * (rank + 1))
+        out["disagreeing make_hook"] = None
+    except ValueError as err:
+        out["disagreeing make_hook"] = str(err)
     folder = Path(os.environ["GRADCOMP_TEST_TMP"])
     for name in RESUMED:
         fabric, model, optimizer = _fabric(_small_buckets(name), world_size)
@@ -112,8 +123,11 @@ def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
-    os.environ["GRADCOMP_TEST_TMP"] = str(tmp_path_factory.mktemp("fabric"))
+def _shared_tmp(tmp_path_factory: pytest.TempPathFactory):
+    """A folder every rank of the launches sees (the checkpoints of the resume cases), for this module only."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRADCOMP_TEST_TMP", str(tmp_path_factory.mktemp("fabric")))
+        yield
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -230,3 +244,18 @@ def test_the_fabric_example_trains_and_reports_its_bytes() -> None:
     assert found, done.stdout
     assert float(found[1]) > 0.3
     assert 0 < int(found[2].replace(",", "")) < int(found[3].replace(",", ""))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fabric_refuses_a_second_model_and_make_hook_refuses_ranks_that_disagree(world_size: int) -> None:
+    for result in run_ranks_once(_fabric_cases, world_size):
+        assert "one model" in result["second model"]
+        assert result["disagreeing make_hook"].startswith("gradient compression settings differ across ranks; ")
+        assert "compressor: rank 0 has TopKCompressor(density=0.01)" in result["disagreeing make_hook"]
+
+
+def test_fabric_strategy_refuses_a_misspelt_argument_by_name() -> None:
+    with pytest.raises(ValueError, match=r"unknown arguments \['densty'\].*'densty': did you mean 'density'\?"):
+        GradCompFabricStrategy(densty=0.01)
+    with pytest.raises(ValueError, match=r"on_world_size_change decides what the strategies do"):
+        make_hook(nn.Linear(4, 2), on_world_size_change="reset")

@@ -11,7 +11,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from scale_model import Cluster, Costs, Link, fit_link, overtakes, predict_step  # noqa: E402
+from scale_model import Cluster, Costs, Link, crossovers, fit_link, overtakes, predict_step  # noqa: E402
 
 D = 1_000_000  # parameters
 SLOW = Link(alpha_s=1e-3, bytes_per_s=1e6)
@@ -97,3 +97,12 @@ def test_overtakes_names_the_first_rank_count_from_which_the_challenger_stays_ah
     found = {(o["challenger"], o["incumbent"]): o["from_ranks"] for o in overtakes(rows)}
     assert found[("ddp_gtopk", "ddp_topk")] == 32  # ahead at 8, behind at 16, ahead for good from 32
     assert found[("ddp_topk:node", "ddp_topk")] is None
+
+
+def test_crossovers_give_the_first_run_of_rank_counts_where_a_method_beats_dense() -> None:
+    speedups = [0.9, 1.2, 1.5, 0.8, 1.1]
+    rows = [{"params": 1.0, "rate": "10gbit", "method": "ddp_topk", "ranks": 8 * 2**i, "speedup_vs_dense": x}
+            for i, x in enumerate(speedups)]  # fmt: skip
+    (found,) = crossovers(rows)
+    assert (found["faster_from"], found["faster_until"]) == (16, 32)  # not 16-128: it loses at 64
+    assert (found["best_speedup"], found["best_at"]) == (1.5, 32)
