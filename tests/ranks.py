@@ -1,7 +1,10 @@
 """Start real ranks for a test: spawned processes over gloo on loopback, with a hard deadline.
 
 ``run_ranks(fn, P, *args)`` runs ``fn(rank, P, *args)`` in P processes and returns their results
-in rank order. With ``init=True`` the default process group is initialised (gloo, 60 s timeout);
+in rank order. A worker that runs several independent cases in one launch (starting ranks costs
+seconds) runs them through :func:`run_cases`, and each test reads its own with
+:func:`case_results`: a case that raises fails its own tests, with its ranks' tracebacks, and not
+every test of the launch. With ``init=True`` the default process group is initialised (gloo, 60 s timeout);
 with ``init=False`` only the environment Lightning reads is set (``LOCAL_RANK`` and friends), so
 a ``Trainer`` in ``fn`` joins the ranks as under torchrun.
 """
@@ -15,6 +18,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -97,3 +101,36 @@ def run_ranks_once(fn: Callable[..., Any], world_size: int) -> list[Any]:
     if key not in _LAUNCHED:
         _LAUNCHED[key] = run_ranks(fn, world_size)
     return _LAUNCHED[key]
+
+
+@dataclass(frozen=True)
+class CaseFailure:
+    """What a case raised on one rank (its traceback), kept in place of the case's result."""
+
+    case: Any
+    rank: int
+    traceback: str
+
+
+def run_cases(rank: int, world_size: int, cases: dict[Any, Callable[[int, int], Any]]) -> dict[Any, Any]:
+    """Run every case on this rank, ``case(rank, world_size)``; one that raises is recorded as a
+    :class:`CaseFailure` and the next one runs. (A case that fails on some ranks only can leave the others
+    waiting in a collective until the process group's timeout: they then fail that case too.)"""
+    out: dict[Any, Any] = {}
+    for name, case in cases.items():
+        try:
+            out[name] = case(rank, world_size)
+        except Exception:
+            out[name] = CaseFailure(name, rank, traceback.format_exc())
+    return out
+
+
+def case_results(launched: list[dict[Any, Any]], case: Any) -> list[Any]:
+    """``case``'s result on every rank, in rank order; an ``AssertionError`` with the tracebacks of the ranks
+    where it failed."""
+    results = [ranks[case] for ranks in launched]
+    failures = [r for r in results if isinstance(r, CaseFailure)]
+    if failures:
+        details = "\n".join(f"--- rank {f.rank} ---\n{f.traceback}" for f in failures)
+        raise AssertionError(f"case {case!r} failed on ranks {[f.rank for f in failures]}\n{details}")
+    return results

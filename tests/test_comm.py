@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import run_ranks_once
+from ranks import case_results, run_cases, run_ranks_once
 
 from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
 from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
@@ -44,15 +44,12 @@ def _allgather_variable(rank: int, world_size: int) -> dict:
 
 def _every_case(rank: int, world_size: int) -> dict:
     """All cases in one launch per world size (starting ranks costs seconds; the cases are independent)."""
-    return {
-        "variable": _allgather_variable(rank, world_size),
-        "empty": _allgather_all_empty(rank, world_size),
-        "fixed": _topk_and_dense(rank, world_size),
-    }
+    cases = {"variable": _allgather_variable, "empty": _allgather_all_empty, "fixed": _topk_and_dense}
+    return run_cases(rank, world_size, cases)
 
 
 def _results(world_size: int, case: str) -> list[dict]:
-    return [ranks[case] for ranks in run_ranks_once(_every_case, world_size)]
+    return case_results(run_ranks_once(_every_case, world_size), case)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -24,7 +24,6 @@ from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataE
 from lightning_gradcomp.examples.mnist import MEAN, STD, MNISTDataModule, load_mnist, read_idx
 from lightning_gradcomp.examples.models import AlexNet, CifarResNet, ImageClassifier, LeNet5, ResNet18, ResNet20
 
-MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
 # Digit counts of the 10,000 MNIST test images (t10k-labels-idx1-ubyte), 0 to 9.
 T10K_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
@@ -32,9 +31,8 @@ T10K_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 # ------------------------------------------------------------------------------------------------ MNIST
 
 
-@pytest.mark.skipif(not MNIST_DIR.is_dir(), reason=f"MNIST files not found in {MNIST_DIR}")
-def test_mnist_loads_the_real_test_set() -> None:
-    data = load_mnist(MNIST_DIR, "t10k")
+def test_mnist_loads_the_real_test_set(mnist_dir: Path) -> None:
+    data = load_mnist(mnist_dir, "t10k")
     images, labels = data.tensors
     assert images.shape == (10_000, 1, 28, 28) and images.dtype == torch.float32
     assert torch.bincount(labels, minlength=10).tolist() == T10K_LABEL_COUNTS
@@ -42,7 +40,7 @@ def test_mnist_loads_the_real_test_set() -> None:
     assert pixels.min() == pytest.approx(0.0, abs=1e-6) and pixels.max() == pytest.approx(1.0, abs=1e-6)
     assert pixels.mean().item() == pytest.approx(0.1325, abs=0.001)  # the test set's mean intensity
 
-    module = MNISTDataModule(str(MNIST_DIR), batch_size=32, train_split="t10k", holdout=2000)
+    module = MNISTDataModule(str(mnist_dir), batch_size=32, train_split="t10k", holdout=2000)
     module.setup("fit")
     assert len(module.train_set) == 8000 and len(module.val_set) == 2000
     x, y = next(iter(module.train_dataloader()))

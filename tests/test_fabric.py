@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from ranks import free_port, run_ranks_once
+from ranks import case_results, free_port, run_cases, run_ranks_once
 from torch import nn
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompFabricStrategy, GradCompStrategy, make_hook
@@ -58,15 +58,12 @@ def _small_buckets(name: str) -> GradCompFabricStrategy:
     return GradCompFabricStrategy(**NAMED_STRATEGIES[name][1], bucket_cap_mb=0.005)
 
 
-def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
-    """Every case, on every rank: the named presets by name, identity against plain DDP, save/load/continue."""
-    out: dict[str, Any] = {}
-    for name in PRESETS:
+def _preset(name: str):
+    def case(rank: int, world_size: int) -> dict[str, Any]:
         fabric, model, optimizer = _fabric(name, world_size)
         _train(fabric, model, optimizer, rank, range(STEPS))
-        hook = fabric.strategy.gradcomp_hook
-        last = hook.last_step
-        out[name] = {
+        last = fabric.strategy.gradcomp_hook.last_step
+        return {
             "strategy": type(fabric.strategy).__name__,
             "comm_hook": model._forward_module._get_ddp_logging_data().get("comm_hook"),
             "weights": _weights(model),
@@ -74,30 +71,44 @@ def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
             "bytes_sent": last.bytes_sent,
             "dense_bytes": last.dense_bytes,
         }
+
+    return case
+
+
+def _identity_and_plain_ddp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     from lightning.fabric.strategies import DDPStrategy
 
     # the same buckets for both: gloo's ring sums each chunk starting from another rank, so where a
     # bucket's chunks begin decides the order of the 3-rank sums
     fabric, model, optimizer = _fabric(DDPStrategy(bucket_cap_mb=0.005), world_size)
     _train(fabric, model, optimizer, rank, range(STEPS))
-    out["ddp"] = _weights(model)
+    plain = _weights(model)
     identity = GradCompFabricStrategy(compressor="none", memory="none", aggregator="allreduce", bucket_cap_mb=0.005)
     fabric, model, optimizer = _fabric(identity, world_size)
     _train(fabric, model, optimizer, rank, range(STEPS))
-    out["identity"] = _weights(model)
+    return {"ddp": plain, "identity": _weights(model)}
+
+
+def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
+    """A second model on one strategy; make_hook on ranks given different densities."""
+    out: dict[str, str | None] = {}
+    fabric, _, _ = _fabric("ddp_topk", world_size)
     try:
         fabric.setup(_model(1), torch.optim.SGD(_model(1).parameters(), lr=0.1))
         out["second model"] = None
     except RuntimeError as err:
         out["second model"] = str(err)
-    ddp = torch.nn.parallel.DistributedDataParallel(_model(0))
     try:
-        make_hook(ddp, "ddp_topk", density=0.01 * (rank + 1))
+        make_hook(torch.nn.parallel.DistributedDataParallel(_model(0)), "ddp_topk", density=0.01 * (rank + 1))
         out["disagreeing make_hook"] = None
     except ValueError as err:
         out["disagreeing make_hook"] = str(err)
-    folder = Path(os.environ["GRADCOMP_TEST_TMP"])
-    for name in RESUMED:
+    return out
+
+
+def _resume(name: str):
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        folder = Path(os.environ["GRADCOMP_TEST_TMP"])
         fabric, model, optimizer = _fabric(_small_buckets(name), world_size)
         _train(fabric, model, optimizer, rank, range(STEPS))
         straight = _weights(model)
@@ -110,16 +121,27 @@ def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
         state = {"model": model, "optimizer": optimizer, "step": 0}
         remainder = fabric.load(path, state)
         _train(fabric, model, optimizer, rank, range(state["step"], STEPS))
-        out[f"resume {name}"] = {
+        return {
             "straight": straight,
             "resumed": _weights(model),
             "step": state["step"],
             "remainder": sorted(remainder),
-            "shard": path.with_name(path.name + ".gradcomp")
-            .joinpath(f"rank{rank:05d}-of-{world_size:05d}.pt")
-            .is_file(),
+            "shard": (folder / f"{path.name}.gradcomp" / f"rank{rank:05d}-of-{world_size:05d}.pt").is_file(),
         }
-    return out
+
+    return case
+
+
+def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """Every case, on every rank: the named presets by name, identity against plain DDP, refusals, resume."""
+    cases = {name: _preset(name) for name in PRESETS}
+    cases |= {"identity and ddp": _identity_and_plain_ddp, "refusals": _refusals}
+    cases |= {f"resume {name}": _resume(name) for name in RESUMED}
+    return run_cases(rank, world_size, cases)
+
+
+def _results(world_size: int, case: str) -> list[Any]:
+    return case_results(run_ranks_once(_fabric_cases, world_size), case)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -135,7 +157,7 @@ def _shared_tmp(tmp_path_factory: pytest.TempPathFactory):
 def test_fabric_runs_the_named_strategy_through_our_hook_ranks_identical_bytes_below_dense(
     world_size: int, name: str
 ) -> None:
-    ranks = [result[name] for result in run_ranks_once(_fabric_cases, world_size)]
+    ranks = _results(world_size, name)
     assert {r["strategy"] for r in ranks} == {"GradCompFabricStrategy"}
     assert {r["comm_hook"] for r in ranks} == {"gradcomp_comm_hook"}
     assert all(r["compressed"] for r in ranks)
@@ -146,15 +168,14 @@ def test_fabric_runs_the_named_strategy_through_our_hook_ranks_identical_bytes_b
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_identity_compressor_gives_fabrics_plain_ddp_weights_bit_for_bit(world_size: int) -> None:
-    for result in run_ranks_once(_fabric_cases, world_size):
+    for result in _results(world_size, "identity and ddp"):
         assert torch.equal(result["identity"], result["ddp"])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", RESUMED)
 def test_fabric_save_load_continue_equals_straight_through(world_size: int, name: str) -> None:
-    for result in run_ranks_once(_fabric_cases, world_size):
-        case = result[f"resume {name}"]
+    for case in _results(world_size, f"resume {name}"):
         assert case["step"] == SAVE_AT
         assert case["shard"]
         assert case["remainder"] == []  # the manifest is the strategy's, not handed back to the loop
@@ -248,7 +269,7 @@ def test_the_fabric_example_trains_and_reports_its_bytes() -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fabric_refuses_a_second_model_and_make_hook_refuses_ranks_that_disagree(world_size: int) -> None:
-    for result in run_ranks_once(_fabric_cases, world_size):
+    for result in _results(world_size, "refusals"):
         assert "one model" in result["second model"]
         assert result["disagreeing make_hook"].startswith("gradient compression settings differ across ranks; ")
         assert "compressor: rank 0 has TopKCompressor(density=0.01)" in result["disagreeing make_hook"]

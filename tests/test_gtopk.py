@@ -11,11 +11,11 @@ the argument checks, and the hook under torch's own DDP on a 3-rank group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-from mnist_fit import fit_mnist, needs_mnist
 from models import teacher_task
 from ranks import run_ranks
 from torch import nn
@@ -349,10 +349,9 @@ MNIST_STEPS = 750  # 6 epochs of the 8,000 training images on 2 ranks
 MNIST_SCHEDULE = {"lr_milestones": [4], "lr_gamma": 0.1}
 
 
-@needs_mnist
-def test_mnist_with_gtopk_is_within_one_point_of_dense() -> None:
-    dense = fit_mnist({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, model_kwargs=MNIST_SCHEDULE)
-    gtopk = fit_mnist(
+def test_mnist_with_gtopk_is_within_one_point_of_dense(mnist_fit: Callable[..., dict]) -> None:
+    dense = mnist_fit({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, model_kwargs=MNIST_SCHEDULE)
+    gtopk = mnist_fit(
         {"compressor": "topk", "density": 0.01, "aggregator": "gtopk", "granularity": "bucket"},
         steps=MNIST_STEPS,
         model_kwargs=MNIST_SCHEDULE,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from models import teacher_task
-from ranks import run_ranks_once
+from ranks import case_results, run_cases, run_ranks_once
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -233,19 +233,20 @@ def _density_warmup(rank: int, world_size: int) -> dict:
 
 def _every_case(rank: int, world_size: int) -> dict:
     """Every workload below in one launch per world size (starting ranks costs seconds)."""
-    return {
-        "ef/layer": _ef_bookkeeping(rank, world_size, "layer"),
-        "ef/model": _ef_bookkeeping(rank, world_size, "model"),
-        "density one": _density_one_vs_dense(rank, world_size),
-        "no memory": _no_memory_topk(rank, world_size),
-        "captures": _captures(rank, world_size),
-        "overlap": _overlap(rank, world_size),
-        "density warmup": _density_warmup(rank, world_size),
+    cases = {
+        "ef/layer": lambda r, w: _ef_bookkeeping(r, w, "layer"),
+        "ef/model": lambda r, w: _ef_bookkeeping(r, w, "model"),
+        "density one": _density_one_vs_dense,
+        "no memory": _no_memory_topk,
+        "captures": _captures,
+        "overlap": _overlap,
+        "density warmup": _density_warmup,
     }
+    return run_cases(rank, world_size, cases)
 
 
 def _results(world_size: int, case: str) -> list[dict]:
-    return [ranks[case] for ranks in run_ranks_once(_every_case, world_size)]
+    return case_results(run_ranks_once(_every_case, world_size), case)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -10,7 +10,6 @@ from statistics import NormalDist
 import pytest
 import torch
 import torch.distributed as dist
-from mnist_fit import fit_mnist, needs_mnist
 from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -497,8 +496,9 @@ def test_hook_with_shared_scale_keeps_ranks_in_sync_on_both_paths() -> None:
 MNIST_STEPS = 250
 
 
-@needs_mnist
-def test_terngrad_fit_on_mnist_trains_close_to_dense(record_property: Callable[[str, object], None]) -> None:
+def test_terngrad_fit_on_mnist_trains_close_to_dense(
+    record_property: Callable[[str, object], None], mnist_fit: Callable[..., dict]
+) -> None:
     """LeNet-5 on the MNIST test set, 250 steps: TernGrad within 3 points of dense at one seed.
 
     Single-seed accuracy at this length varies by about +-1.5 points with the random draws alone:
@@ -507,8 +507,8 @@ def test_terngrad_fit_on_mnist_trains_close_to_dense(record_property: Callable[[
     95.60. The 3-point margin covers that spread; accuracy parity is a benchmark's question
     (paired seeds, ``benchmarks/convergence.py``), not a single fit's.
     """
-    dense = fit_mnist({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, seed=0)
-    tern = fit_mnist(
+    dense = mnist_fit({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, seed=0)
+    tern = mnist_fit(
         {"compressor": TernGradCompressor(), "memory": "none", "aggregator": "allgather"}, steps=MNIST_STEPS, seed=0
     )
     ratio = tern["dense_bytes"] / tern["bytes_sent"]

@@ -15,8 +15,6 @@ sys.path.insert(0, str(BENCHMARKS))
 import time_to_accuracy as tta  # noqa: E402
 from paired import paired_difference, t975, verdict  # noqa: E402
 
-MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
-
 
 def _curves(runs: dict) -> dict:
     return {"model": "lenet", "batch": 32, "ranks": 4, "seeds": [0, 1], "runs": runs}
@@ -73,11 +71,10 @@ def test_paired_difference_and_its_interval() -> None:
     assert verdict(-0.4, 0.25, 0.5) == "undecided"
 
 
-@pytest.mark.skipif(not MNIST.exists(), reason="needs ../shared/data/mnist")
-def test_a_tiny_run_reports_the_steps_and_seconds_its_curves_imply(tmp_path: Path) -> None:
+def test_a_tiny_run_reports_the_steps_and_seconds_its_curves_imply(tmp_path: Path, mnist_dir: Path) -> None:
     curves_path, out, png = tmp_path / "curves.json", tmp_path / "report.json", tmp_path / "tta.png"
-    train = ["train", "--model", "lenet", "--methods", "dense,ddp_topk", "--seeds", "0", "--ranks", "2",
-             "--steps", "30", "--eval-every", "10", "--data-dir", str(MNIST), "--json", str(curves_path)]  # fmt: skip
+    train = ["train", "--model", "lenet", "--methods", "dense,ddp_topk", "--seeds", "0", "--ranks", "2", "--steps",
+             "30", "--eval-every", "10", "--data-dir", str(mnist_dir), "--json", str(curves_path)]  # fmt: skip
     assert tta.main(train) == 0
     curves = json.loads(curves_path.read_text())
     assert set(curves["runs"]) == {"dense", "ddp_topk"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import run_ranks_once
+from ranks import case_results, run_cases, run_ranks_once
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -60,14 +60,13 @@ def _terngrad_weights(rank: int, world_size: int, seed: int) -> dict:
 
 
 def _every_case(rank: int, world_size: int) -> dict:
-    return {
-        "alphas": {
-            (granularity, block): _diana_alphas(rank, world_size, granularity, block)
-            for granularity in ("layer", "model", "group")
-            for block in (None, 1024)
-        },
-        "terngrad": [_terngrad_weights(rank, world_size, seed) for seed in (0, 0, 1)],
+    cases = {
+        ("alphas", granularity, block): lambda r, w, g=granularity, b=block: _diana_alphas(r, w, g, b)
+        for granularity in ("layer", "model", "group")
+        for block in (None, 1024)
     }
+    cases["terngrad"] = lambda r, w: [_terngrad_weights(r, w, seed) for seed in (0, 0, 1)]
+    return run_cases(rank, world_size, cases)
 
 
 @pytest.mark.parametrize("granularity", ["layer", "model", "group"])
@@ -76,8 +75,7 @@ def test_diana_alpha_is_one_over_omega_plus_one_of_the_unit_as_compressed(
     granularity: str, block_size: int | None
 ) -> None:
     quantizer = BlockQuantizer(p="inf", block_size=block_size)
-    for rank in run_ranks_once(_every_case, 2):
-        case = rank["alphas"][(granularity, block_size)]
+    for case in case_results(run_ranks_once(_every_case, 2), ("alphas", granularity, block_size)):
         assert set(case["alphas"]) == {"0.weight", "0.bias", "2.weight", "3.weight", "3.bias"}
         for name, alpha in case["alphas"].items():
             bound = 1.0 / (quantizer.omega(case["units"][name]) + 1.0)
@@ -92,8 +90,7 @@ def test_diana_alpha_is_one_over_omega_plus_one_of_the_unit_as_compressed(
 
 
 def test_same_seed_same_weights_other_seed_other_terngrad_draws() -> None:
-    for rank in run_ranks_once(_every_case, 2):
-        first, again, other = rank["terngrad"]
+    for first, again, other in case_results(run_ranks_once(_every_case, 2), "terngrad"):
         for name in first:
             assert torch.equal(first[name], again[name]), name
         assert not torch.equal(first["0.weight"], other["0.weight"])

@@ -1,0 +1,49 @@
+"""Session fixtures several test modules share: the real MNIST files and the fits trained on them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mnist_fit import fit
+from ranks import run_ranks
+
+#: The real MNIST test set (10,000 images, IDX) beside the repository.
+MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    """The MNIST files' folder; the test is skipped where they are absent."""
+    if not MNIST_DIR.is_dir():
+        pytest.skip(f"MNIST files not found in {MNIST_DIR}")
+    return MNIST_DIR
+
+
+@pytest.fixture(scope="session")
+def mnist_fit(mnist_dir: Path) -> Callable[..., dict]:
+    """``mnist_fit(strategy_kwargs, steps=250, seed=0, world_size=2, model_kwargs=None)``: rank 0's validation
+    accuracy and mean bytes per compressed step for ``GradCompStrategy(**strategy_kwargs)`` on LeNet-5/MNIST.
+
+    Each fit runs once per session: the dense baseline several modules compare with is trained once.
+    """
+    results: dict[str, dict] = {}
+
+    def run(
+        strategy_kwargs: dict[str, Any],
+        steps: int = 250,
+        seed: int = 0,
+        world_size: int = 2,
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> dict:
+        model_kwargs = dict(model_kwargs or {})
+        key = repr((sorted(strategy_kwargs.items()), steps, seed, world_size, sorted(model_kwargs.items())))
+        if key not in results:
+            results[key] = run_ranks(
+                fit, world_size, str(mnist_dir), strategy_kwargs, steps, seed, model_kwargs, init=False, timeout=300
+            )[0]
+        return results[key]
+
+    return run
