@@ -29,6 +29,7 @@ in steady state every step of a method takes the same time. Evaluation is not co
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -149,6 +150,7 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
                           file=sys.stderr, flush=True)  # fmt: skip
                     Path(args.json).write_text(json.dumps(report, indent=1))  # after every run: partial results kept
     finally:
+        gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
         dist.destroy_process_group()
 
 

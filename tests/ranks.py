@@ -11,6 +11,7 @@ a ``Trainer`` in ``fn`` joins the ranks as under torchrun.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -56,6 +57,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: s
         (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
         sys.exit(1)
     finally:
+        gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
         if dist.is_initialized():
             dist.destroy_process_group()
 

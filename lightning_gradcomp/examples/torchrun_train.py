@@ -12,6 +12,7 @@ residuals, step counter) at the end and a later run starts from there.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"{args.preset}: step {step}, val_acc {accuracy:.4f}; bytes sent per step {sent:,.0f} "
               f"(dense {dense:,.0f})")  # fmt: skip
+    # The DDP wrapper goes first: freed after the group, its reducer would drop the group's last reference
+    # holding the GIL and wait for gloo's threads, which may need the GIL (a hang or an abort at exit).
+    del ddp, model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
