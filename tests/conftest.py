@@ -1,4 +1,5 @@
-"""Session fixtures several test modules share: the real MNIST files and the fits trained on them."""
+"""Session fixtures several test modules share: the launches of multi-case workers, the real MNIST files and
+the fits trained on them."""
 
 from __future__ import annotations
 
@@ -8,10 +9,26 @@ from typing import Any
 
 import pytest
 from mnist_fit import fit
-from ranks import run_ranks
+from ranks import LaunchOnce, run_ranks
 
 #: The real MNIST test set (10,000 images, IDX) beside the repository.
 MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+
+
+@pytest.fixture(scope="session")
+def launch_once() -> LaunchOnce:
+    """``launch_once(fn, world_size)``: ``run_ranks(fn, world_size)``, launched once per session (starting ranks
+    costs seconds): for workers that run several independent cases (``ranks.run_cases``), each read by its own
+    test (``ranks.case_results``)."""
+    launched: dict[tuple[str, int], list[Any]] = {}
+
+    def launch(fn: Callable[..., Any], world_size: int) -> list[Any]:
+        key = (f"{fn.__module__}.{fn.__qualname__}", world_size)
+        if key not in launched:
+            launched[key] = run_ranks(fn, world_size)
+        return launched[key]
+
+    return launch
 
 
 @pytest.fixture(scope="session")

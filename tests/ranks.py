@@ -93,16 +93,11 @@ def run_ranks(
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-_LAUNCHED: dict[tuple[str, int], list[Any]] = {}
-
-
-def run_ranks_once(fn: Callable[..., Any], world_size: int) -> list[Any]:
-    """``run_ranks(fn, world_size)``, launched once per test session: for workers that run several
-    independent cases, each read by its own test (starting ranks costs seconds)."""
-    key = (f"{fn.__module__}.{fn.__qualname__}", world_size)
-    if key not in _LAUNCHED:
-        _LAUNCHED[key] = run_ranks(fn, world_size)
-    return _LAUNCHED[key]
+#: ``launch_once(fn, world_size)``, the session fixture of conftest.py: ``run_ranks(fn, world_size)`` launched
+#: once per session, for workers that run several cases each read by its own test.
+LaunchOnce = Callable[[Callable[..., Any], int], list[Any]]
+#: ``every_rank(world_size, case)``: a case's result on every rank (``case_results`` of a module's launch).
+EveryRank = Callable[[int, Any], list[Any]]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import case_results, run_cases, run_ranks_once
+from ranks import EveryRank, LaunchOnce, case_results, run_cases
 
 from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
 from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
@@ -48,13 +48,15 @@ def _every_case(rank: int, world_size: int) -> dict:
     return run_cases(rank, world_size, cases)
 
 
-def _results(world_size: int, case: str) -> list[dict]:
-    return case_results(run_ranks_once(_every_case, world_size), case)
+@pytest.fixture
+def every_rank(launch_once: LaunchOnce) -> EveryRank:
+    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
+    return lambda world_size, case: case_results(launch_once(_every_case, world_size), case)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_allgather_of_variable_sparse_payloads_is_exact_on_every_rank(world_size: int) -> None:
-    results = _results(world_size, "variable")
+def test_allgather_of_variable_sparse_payloads_is_exact_on_every_rank(world_size: int, every_rank: EveryRank) -> None:
+    results = every_rank(world_size, "variable")
     codec = ThresholdSelection()
     assert results[1]["k"] == [0, 0, 0]
     assert all(sum(r["k"]) > 0 for i, r in enumerate(results) if i != 1)
@@ -81,8 +83,8 @@ def _allgather_all_empty(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_allgather_when_no_rank_selects_anything(world_size: int) -> None:
-    for r in _results(world_size, "empty"):
+def test_allgather_when_no_rank_selects_anything(world_size: int, every_rank: EveryRank) -> None:
+    for r in every_rank(world_size, "empty"):
         assert torch.equal(r["mean"], torch.zeros(10))
         assert r["bytes_sent"] == 8 + 1  # sizes, then one padding byte: gloo never sees an empty tensor
 
@@ -110,8 +112,8 @@ def _topk_and_dense(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_fixed_size_payloads_skip_the_size_exchange_and_match_allreduce(world_size: int) -> None:
-    results = _results(world_size, "fixed")
+def test_fixed_size_payloads_skip_the_size_exchange_and_match_allreduce(world_size: int, every_rank: EveryRank) -> None:
+    results = every_rank(world_size, "fixed")
     topk = TopKCompressor(0.01)
     for i in range(len(NUMELS)):
         for r in results:

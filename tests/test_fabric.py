@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from ranks import case_results, free_port, run_cases, run_ranks_once
+from ranks import EveryRank, LaunchOnce, case_results, free_port, run_cases
 from torch import nn
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompFabricStrategy, GradCompStrategy, make_hook
@@ -140,8 +140,10 @@ def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
     return run_cases(rank, world_size, cases)
 
 
-def _results(world_size: int, case: str) -> list[Any]:
-    return case_results(run_ranks_once(_fabric_cases, world_size), case)
+@pytest.fixture
+def every_rank(launch_once: LaunchOnce) -> EveryRank:
+    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
+    return lambda world_size, case: case_results(launch_once(_fabric_cases, world_size), case)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -155,9 +157,9 @@ def _shared_tmp(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", PRESETS)
 def test_fabric_runs_the_named_strategy_through_our_hook_ranks_identical_bytes_below_dense(
-    world_size: int, name: str
+    world_size: int, name: str, every_rank: EveryRank
 ) -> None:
-    ranks = _results(world_size, name)
+    ranks = every_rank(world_size, name)
     assert {r["strategy"] for r in ranks} == {"GradCompFabricStrategy"}
     assert {r["comm_hook"] for r in ranks} == {"gradcomp_comm_hook"}
     assert all(r["compressed"] for r in ranks)
@@ -167,15 +169,17 @@ def test_fabric_runs_the_named_strategy_through_our_hook_ranks_identical_bytes_b
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_identity_compressor_gives_fabrics_plain_ddp_weights_bit_for_bit(world_size: int) -> None:
-    for result in _results(world_size, "identity and ddp"):
+def test_the_identity_compressor_gives_fabrics_plain_ddp_weights_bit_for_bit(
+    world_size: int, every_rank: EveryRank
+) -> None:
+    for result in every_rank(world_size, "identity and ddp"):
         assert torch.equal(result["identity"], result["ddp"])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", RESUMED)
-def test_fabric_save_load_continue_equals_straight_through(world_size: int, name: str) -> None:
-    for case in _results(world_size, f"resume {name}"):
+def test_fabric_save_load_continue_equals_straight_through(world_size: int, name: str, every_rank: EveryRank) -> None:
+    for case in every_rank(world_size, f"resume {name}"):
         assert case["step"] == SAVE_AT
         assert case["shard"]
         assert case["remainder"] == []  # the manifest is the strategy's, not handed back to the loop
@@ -268,8 +272,10 @@ def test_the_fabric_example_trains_and_reports_its_bytes() -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_fabric_refuses_a_second_model_and_make_hook_refuses_ranks_that_disagree(world_size: int) -> None:
-    for result in _results(world_size, "refusals"):
+def test_fabric_refuses_a_second_model_and_make_hook_refuses_ranks_that_disagree(
+    world_size: int, every_rank: EveryRank
+) -> None:
+    for result in every_rank(world_size, "refusals"):
         assert "one model" in result["second model"]
         assert result["disagreeing make_hook"].startswith("gradient compression settings differ across ranks; ")
         assert "compressor: rank 0 has TopKCompressor(density=0.01)" in result["disagreeing make_hook"]

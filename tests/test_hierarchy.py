@@ -7,6 +7,7 @@ them); three ranks play two uneven nodes.
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import ShuffledClassifier, TinyClassifier, teacher_task
-from ranks import run_ranks, run_ranks_once
+from ranks import EveryRank, LaunchOnce, case_results, run_cases, run_ranks
 from test_hook import STEPS, _train
 from test_resume import BUCKET_CAP_MB, TIMEOUT, N, _outcome
 from test_sign import _Recording
@@ -73,42 +74,59 @@ def _case(method: str, node_ids: tuple[int, ...], scheme: str, rank: int, world_
     }
 
 
+SCHEMES = ("flat", "sharded", "leader")
+
+
+def _grid(world_size: int) -> tuple[tuple[int, ...], list[tuple[str, str]]]:
+    """The node ids and the (method, scheme) cases of one launch: every scheme on 2 x 2, the flat and the
+    sharded one on the uneven 2 + 1."""
+    if world_size == 4:
+        return TWO_BY_TWO, [(m, s) for m in ("topk", "gtopk", "terngrad", "identity") for s in SCHEMES]
+    return UNEVEN, [(m, s) for m in ("topk", "identity") for s in ("flat", "sharded")]
+
+
 def _cases(rank: int, world_size: int) -> dict:
-    node_ids = TWO_BY_TWO if world_size == 4 else UNEVEN
-    methods = ("topk", "gtopk", "terngrad", "identity") if world_size == 4 else ("topk", "identity")
-    schemes = ("flat", "sharded", "leader") if world_size == 4 else ("flat", "sharded")
-    return {(m, s): _case(m, node_ids, s, rank, world_size) for m in methods for s in schemes}
+    node_ids, cases = _grid(world_size)
+    return run_cases(rank, world_size, {case: partial(_case, case[0], node_ids, case[1]) for case in cases})
+
+
+@pytest.fixture
+def every_rank(launch_once: LaunchOnce) -> EveryRank:
+    """``every_rank(world_size, (method, scheme))``: the case's result on every rank, from one launch per size."""
+    return lambda world_size, case: case_results(launch_once(_cases, world_size), case)
 
 
 @pytest.mark.parametrize("world_size", [4, 3])
-def test_every_rank_ends_bit_identical(world_size: int) -> None:
-    results = run_ranks_once(_cases, world_size)
-    for case in results[0]:
-        for r in results[1:]:
-            for name, value in r[case]["weights"].items():
-                assert torch.equal(value, results[0][case]["weights"][name]), (case, name)
+def test_every_rank_ends_bit_identical(world_size: int, every_rank: EveryRank) -> None:
+    for case in _grid(world_size)[1]:
+        runs = every_rank(world_size, case)
+        for run in runs[1:]:
+            for name, value in run["weights"].items():
+                assert torch.equal(value, runs[0]["weights"][name]), (case, name)
 
 
 @pytest.mark.parametrize(("world_size", "scheme"), [(4, "sharded"), (4, "leader"), (3, "sharded")])
-def test_owners_compress_their_nodes_weighted_sum_with_exact_error_feedback(world_size: int, scheme: str) -> None:
-    results = run_ranks_once(_cases, world_size)
-    layout = NodeLayout.of(TWO_BY_TWO if world_size == 4 else UNEVEN)
+def test_owners_compress_their_nodes_weighted_sum_with_exact_error_feedback(
+    world_size: int, scheme: str, every_rank: EveryRank
+) -> None:
+    node_ids, cases = _grid(world_size)
+    layout = NodeLayout.of(node_ids)
     weight = len(layout.nodes) / world_size
-    for method in [m for m in ("topk", "gtopk") if (m, scheme) in results[0]]:
+    for method in [m for m in ("topk", "gtopk") if (m, scheme) in cases]:
+        runs = every_rank(world_size, (method, scheme))
         owners: dict[str, list[int]] = {name: [] for name in COMPRESSED}
-        for rank, r in enumerate(results):
-            case = r[(method, scheme)]
-            logged = {e["name"] for e in case["log"]}
-            assert logged == {n for names in case["owned"] for n in names if n in COMPRESSED}  # owners only
+        for rank, run in enumerate(runs):
+            logged = {e["name"] for e in run["log"]}
+            assert logged == {n for names in run["owned"] for n in names if n in COMPRESSED}  # owners only
             node = layout.nodes[layout.locate(rank)[0]]
             for name in logged:
                 owners[name].append(rank)
-                entries = [e for e in case["log"] if e["name"] == name]
+                entries = [e for e in run["log"] if e["name"] == name]
                 assert len(entries) == STEPS - 1  # every compressed step
                 for step, e in enumerate(entries, start=1):
-                    total = results[node[0]][(method, scheme)]["local"][name][step]
+                    total = runs[node[0]]["local"][name][step]
                     for other in node[1:]:
-                        total = total + results[other][(method, scheme)]["local"][name][step]
+                        total = total + runs[other]["local"][name][step]
                     node_sum = (total * weight).reshape(e["grad"].shape)
                     assert torch.equal(e["grad"], node_sum), (method, name, step)  # the node's weighted sum
                     old = torch.zeros_like(e["grad"]) if e["old"] is None else e["old"]
@@ -119,27 +137,28 @@ def test_owners_compress_their_nodes_weighted_sum_with_exact_error_feedback(worl
 
 
 @pytest.mark.parametrize("world_size", [4, 3])
-def test_dense_through_the_hierarchy_is_the_world_mean(world_size: int) -> None:
-    results = run_ranks_once(_cases, world_size)
-    flat = results[0][("identity", "flat")]["weights"]
-    assert all(s.bytes_sent_intra_node > 0 for s in results[0][("identity", "sharded")]["history"][1:])
-    for name, value in results[0][("identity", "sharded")]["weights"].items():
+def test_dense_through_the_hierarchy_is_the_world_mean(world_size: int, every_rank: EveryRank) -> None:
+    flat = every_rank(world_size, ("identity", "flat"))[0]["weights"]
+    sharded = every_rank(world_size, ("identity", "sharded"))[0]
+    assert all(s.bytes_sent_intra_node > 0 for s in sharded["history"][1:])
+    for name, value in sharded["weights"].items():
         torch.testing.assert_close(value, flat[name], rtol=1e-5, atol=1e-6)
 
 
-def test_fewer_bytes_cross_between_nodes_than_a_flat_exchange_sends() -> None:
-    results = run_ranks_once(_cases, 4)
+def test_fewer_bytes_cross_between_nodes_than_a_flat_exchange_sends(
+    every_rank: EveryRank,
+) -> None:
     for method in ("topk", "gtopk", "terngrad"):
+        flat_runs = every_rank(4, (method, "flat"))
         for scheme in ("sharded", "leader"):
-            flat = sum(s.bytes_sent for r in results for s in r[(method, "flat")]["history"][1:])
-            inter = sum(s.bytes_sent for r in results for s in r[(method, scheme)]["history"][1:])
-            intra = sum(s.bytes_sent_intra_node for r in results for s in r[(method, scheme)]["history"][1:])
+            runs = every_rank(4, (method, scheme))
+            flat = sum(s.bytes_sent for r in flat_runs for s in r["history"][1:])
+            inter = sum(s.bytes_sent for r in runs for s in r["history"][1:])
+            intra = sum(s.bytes_sent_intra_node for r in runs for s in r["history"][1:])
             assert inter < flat, (method, scheme, inter, flat)
-            assert intra > 0 and all(s.bytes_sent_intra_node == 0 for s in results[0][(method, "flat")]["history"])
+            assert intra > 0 and all(s.bytes_sent_intra_node == 0 for s in flat_runs[0]["history"])
             if scheme == "leader":  # local rank 1 of each node talks to no other node
-                assert all(
-                    s.bytes_sent == 0 for r in (results[1], results[3]) for s in r[(method, scheme)]["history"][1:]
-                )
+                assert all(s.bytes_sent == 0 for r in (runs[1], runs[3]) for s in r["history"][1:])
 
 
 def _trainer_on_nodes(rank: int, world_size: int, hierarchy: str, nodes: int) -> dict:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from models import teacher_task
-from ranks import case_results, run_cases, run_ranks_once
+from ranks import EveryRank, LaunchOnce, case_results, run_cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -111,8 +111,10 @@ def _ef_bookkeeping(rank: int, world_size: int, granularity: str) -> dict:
 
 
 @pytest.mark.parametrize(("world_size", "granularity"), [(2, "layer"), (3, "layer"), (3, "model")])
-def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(world_size: int, granularity: str) -> None:
-    for r in _results(world_size, f"ef/{granularity}"):
+def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(
+    world_size: int, granularity: str, every_rank: EveryRank
+) -> None:
+    for r in every_rank(world_size, f"ef/{granularity}"):
         assert r["log"], "the compressed path never ran"
         names = {e["name"] for e in r["log"]}
         assert names == {"0.weight", "2.weight"}  # biases (64, 4 elements) stay dense
@@ -139,8 +141,8 @@ def _density_one_vs_dense(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_topk_at_density_one_trains_like_dense_ddp(world_size: int) -> None:
-    for r in _results(world_size, "density one"):
+def test_topk_at_density_one_trains_like_dense_ddp(world_size: int, every_rank: EveryRank) -> None:
+    for r in every_rank(world_size, "density one"):
         for name, value in r["plain"].items():
             # same sums in another order (gathered then added vs ring allreduce): equal to rounding
             torch.testing.assert_close(r["full"][name], value, rtol=1e-5, atol=1e-6)
@@ -151,8 +153,8 @@ def _no_memory_topk(rank: int, world_size: int) -> dict:
     return {"weights": model.state_dict(), "history": list(hook.history)}
 
 
-def test_allreduce_aggregator_with_sparse_payloads_keeps_ranks_in_sync() -> None:
-    results = _results(2, "no memory")
+def test_allreduce_aggregator_with_sparse_payloads_keeps_ranks_in_sync(every_rank: EveryRank) -> None:
+    results = every_rank(2, "no memory")
     for name, value in results[0]["weights"].items():
         assert torch.equal(results[1]["weights"][name], value)
     for s in results[0]["history"]:
@@ -180,8 +182,8 @@ def _captures(rank: int, world_size: int) -> dict:
     return {"history": list(hook.history), "norm": memory.norm(), "residuals": memory.state_dict(), "seen": seen}
 
 
-def test_captures_layer_stats_and_memory_norm() -> None:
-    for r in _results(2, "captures"):
+def test_captures_layer_stats_and_memory_norm(every_rank: EveryRank) -> None:
+    for r in every_rank(2, "captures"):
         assert list(r["seen"]) == [1]  # one-shot, at the first compressed step
         assert sorted(r["seen"][1]) == ["0.weight", "2.weight"]
         assert not any(s.captures for s in r["history"])  # later steps dropped it: no tensors kept
@@ -245,15 +247,17 @@ def _every_case(rank: int, world_size: int) -> dict:
     return run_cases(rank, world_size, cases)
 
 
-def _results(world_size: int, case: str) -> list[dict]:
-    return case_results(run_ranks_once(_every_case, world_size), case)
+@pytest.fixture
+def every_rank(launch_once: LaunchOnce) -> EveryRank:
+    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
+    return lambda world_size, case: case_results(launch_once(_every_case, world_size), case)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_compressed_bucket_is_still_in_flight_when_the_hook_returns(world_size: int) -> None:
+def test_a_compressed_bucket_is_still_in_flight_when_the_hook_returns(world_size: int, every_rank: EveryRank) -> None:
     # a compressed bucket's collective runs on while the backward pass computes the next bucket:
     # its future stays open when the hook returns, and only the last bucket completes everything
-    for result in _results(world_size, "overlap"):
+    for result in every_rank(world_size, "overlap"):
         compressed = [c for c in result["calls"] if "open" in c and c["step"] >= 1]
         assert len({c["step"] for c in compressed}) == STEPS - 1
         assert all(c["open"] for c in compressed if not c["last"]) and any(not c["last"] for c in compressed)
@@ -261,10 +265,10 @@ def test_a_compressed_bucket_is_still_in_flight_when_the_hook_returns(world_size
         assert all(c["all done after the step"] for c in result["calls"] if "all done after the step" in c)
 
 
-def test_density_warmup_sets_k_of_each_compressed_step_from_the_step_counter() -> None:
+def test_density_warmup_sets_k_of_each_compressed_step_from_the_step_counter(every_rank: EveryRank) -> None:
     # one dense step, then densities 0.5, 0.5 * 0.02 ** (1/3), 0.5 * 0.02 ** (2/3), then the target 0.01
     densities = [0.5, 0.5 * 0.02 ** (1 / 3), 0.5 * 0.02 ** (2 / 3), 0.01]
-    for result in _results(2, "density warmup"):
+    for result in every_rank(2, "density warmup"):
         numel = result["counts"][0][0]  # one unit: the whole model but the 4 biases
         assert numel == 32 * 64 + 64 * 4
         assert result["counts"] == [(numel, k_for(numel, d)) for d in densities]

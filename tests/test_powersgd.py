@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as torch_powersgd
-from ranks import run_ranks_once
+from ranks import run_ranks
 from test_sign import _Recording
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -251,7 +251,7 @@ def _vs_torch(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_on_real_ranks_matches_pytorchs_hook_keeps_error_feedback_exact_and_ranks_agree(world_size: int) -> None:
-    results = run_ranks_once(_vs_torch, world_size)
+    results = run_ranks(_vs_torch, world_size)
     for (approximation_rank, granularity), _ in results[0].items():
         runs = [r[approximation_rank, granularity] for r in results]
         for run in runs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
-from ranks import run_ranks_once
+from ranks import run_ranks
 from test_powersgd import _model, _train
 from test_sign import _Recording
 from torch.nn.parallel import DistributedDataParallel
@@ -122,7 +122,7 @@ def _half_wires(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_on_real_ranks_fp16_is_pytorchs_hook_and_half_wires_keep_error_feedback_exact(world_size: int) -> None:
-    results = run_ranks_once(_half_wires, world_size)
+    results = run_ranks(_half_wires, world_size)
     for r in results:
         for step, (ours, theirs) in enumerate(zip(r["ours"], r["torch"], strict=True)):
             for name in ours:

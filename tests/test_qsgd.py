@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from ranks import run_ranks_once
+from ranks import run_ranks
 from test_hook import _make_hook, _train
 from test_terngrad import Z_LIMIT, assert_unbiased
 
@@ -107,7 +107,7 @@ def _diana(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_on_real_ranks_diana_with_qsgd_keeps_ranks_identical(world_size: int) -> None:
-    results = run_ranks_once(_diana, world_size)
+    results = run_ranks(_diana, world_size)
     # 0.weight (2048: 8 norms + 1024 code bytes) and 2.weight (256: 1 norm + 128)
     assert results[0]["payload_bytes"] == [(4 * 8 + 1024) + (4 + 128)] * len(results[0]["payload_bytes"])
     for r in results[1:]:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from ranks import run_ranks_once
+from ranks import run_ranks
 from test_hook import RecordingErrorFeedback, _make_hook, _train
 from test_terngrad import Z_LIMIT, assert_unbiased
 
@@ -119,7 +119,7 @@ def _with_diana(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_on_real_ranks_error_feedback_is_exact_and_ranks_agree(world_size: int) -> None:
-    results = run_ranks_once(_with_error_feedback, world_size)
+    results = run_ranks(_with_error_feedback, world_size)
     for r in results:
         assert r["log"], "the compressed path never ran"
         for e in r["log"]:
@@ -131,7 +131,7 @@ def test_on_real_ranks_error_feedback_is_exact_and_ranks_agree(world_size: int) 
     for r in results[1:]:
         for name, value in r["weights"].items():
             assert torch.equal(value, results[0]["weights"][name]), name
-    diana = run_ranks_once(_with_diana, world_size)
+    diana = run_ranks(_with_diana, world_size)
     assert diana[0]["compressed"] > 0
     for r in diana[1:]:
         for name, value in r["weights"].items():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from ranks import run_ranks_once
+from ranks import run_ranks
 from test_hook import _make_hook, _train
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
@@ -99,7 +99,7 @@ def _efsign(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_on_real_ranks_error_feedback_is_exact_and_ranks_agree(world_size: int) -> None:
-    results = run_ranks_once(_efsign, world_size)
+    results = run_ranks(_efsign, world_size)
     for r in results:
         assert {e["name"] for e in r["log"]} == {"0.weight", "2.weight"}
         for e in r["log"]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import case_results, run_cases, run_ranks_once
+from ranks import EveryRank, LaunchOnce, case_results, run_cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -69,13 +69,19 @@ def _every_case(rank: int, world_size: int) -> dict:
     return run_cases(rank, world_size, cases)
 
 
+@pytest.fixture
+def every_rank(launch_once: LaunchOnce) -> EveryRank:
+    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
+    return lambda world_size, case: case_results(launch_once(_every_case, world_size), case)
+
+
 @pytest.mark.parametrize("granularity", ["layer", "model", "group"])
 @pytest.mark.parametrize("block_size", [None, 1024])
 def test_diana_alpha_is_one_over_omega_plus_one_of_the_unit_as_compressed(
-    granularity: str, block_size: int | None
+    granularity: str, block_size: int | None, every_rank: EveryRank
 ) -> None:
     quantizer = BlockQuantizer(p="inf", block_size=block_size)
-    for case in case_results(run_ranks_once(_every_case, 2), ("alphas", granularity, block_size)):
+    for case in every_rank(2, ("alphas", granularity, block_size)):
         assert set(case["alphas"]) == {"0.weight", "0.bias", "2.weight", "3.weight", "3.bias"}
         for name, alpha in case["alphas"].items():
             bound = 1.0 / (quantizer.omega(case["units"][name]) + 1.0)
@@ -89,8 +95,8 @@ def test_diana_alpha_is_one_over_omega_plus_one_of_the_unit_as_compressed(
             assert case["alphas"]["3.weight"] < 1.0 / (quantizer.omega(300) + 1.0) / 2
 
 
-def test_same_seed_same_weights_other_seed_other_terngrad_draws() -> None:
-    for first, again, other in case_results(run_ranks_once(_every_case, 2), "terngrad"):
+def test_same_seed_same_weights_other_seed_other_terngrad_draws(every_rank: EveryRank) -> None:
+    for first, again, other in every_rank(2, "terngrad"):
         for name in first:
             assert torch.equal(first[name], again[name]), name
         assert not torch.equal(first["0.weight"], other["0.weight"])
