@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import Entries, SparseEntries, all_finite
-from lightning_gradcomp.validation import check_choice
+from lightning_gradcomp.validation import check_choice, check_number
 
 Sent = Tensor | Entries
 
@@ -143,9 +143,7 @@ class ErrorFeedback(Memory):
     name = "ef"
 
     def __init__(self, momentum: float = 0.0) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"memory 'ef': momentum must be a number in [0, 1), got {momentum!r}")
-        self.momentum = float(momentum)
+        self.momentum = check_number("memory 'ef': momentum", momentum, 0, 1, open_max=True)
         self._residuals: dict[str, Tensor] = {}
         self._velocities: dict[str, Tensor] = {}
 
@@ -248,10 +246,8 @@ class Diana(Memory):
     name = "diana"
 
     def __init__(self, alpha: float | None = None, variance_bound: Callable[[int], float] | None = None) -> None:
-        if alpha is not None and (
-            isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0
-        ):
-            raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
+        if alpha is not None:
+            check_number("alpha", alpha, 0, 1, open_min=True)
         if alpha is None and variance_bound is None:
             raise ValueError("alpha=None needs the quantizer's variance bound omega to take alpha = 1 / (omega + 1)")
         self.alpha = None if alpha is None else float(alpha)

@@ -29,7 +29,7 @@ from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
 from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
-from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_positive_number
+from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_number
 
 
 def refuse_density_schedule(density_schedule: Sequence[float] | None, where: str) -> None:
@@ -124,7 +124,7 @@ class CompressionSettings:
                 f"granularity={granularity!r} hands {self.compressor.name!r} flat vectors, but it works on each "
                 "parameter's own shape; use granularity='layer'"
             )
-        self.unit_cap_mb = check_positive_number("unit_cap_mb", unit_cap_mb, "MiB")
+        self.unit_cap_mb = check_number("unit_cap_mb", unit_cap_mb, 0, open_min=True, note="MiB")
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 0)
         self.seed = check_int("seed", seed, 0)

@@ -13,17 +13,59 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """``value`` if it is an integer (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _noted(note: str) -> str:
+    return f" ({note})" if note else ""
+
+
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None, note: str = "") -> int:
+    """``value`` if it is an integer (not a bool) from ``minimum`` to ``maximum`` (no upper bound when None);
+    ``note`` says what the number means, for the message."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        allowed = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(f"{name} must be an integer {allowed}{_noted(note)}, got {value!r}")
     return value
 
 
-def check_bool(name: str, value: Any) -> bool:
+def check_number(
+    name: str,
+    value: Any,
+    minimum: float,
+    maximum: float | None = None,
+    *,
+    open_min: bool = False,
+    open_max: bool = False,
+    note: str = "",
+) -> float:
+    """``value`` as a float if it is a finite number (not a bool) between ``minimum`` and ``maximum`` (no upper
+    bound when None; an end is excluded where ``open_min`` / ``open_max`` say); NaN and infinities never are."""
+    fits = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if fits:
+        above = value > minimum if open_min else value >= minimum
+        below = maximum is None or (value < maximum if open_max else value <= maximum)
+        fits = above and below
+    if not fits:
+        if maximum is None:
+            allowed = f"a finite number {'>' if open_min else '>='} {minimum}"
+        else:
+            allowed = f"a number in {'(' if open_min else '['}{minimum}, {maximum}{')' if open_max else ']'}"
+        raise ValueError(f"{name} must be {allowed}{_noted(note)}, got {value!r}")
+    return float(value)
+
+
+def check_density(name: str, value: Any) -> float:
+    """``value`` as a float if it is a number in (0, 1]: a fraction of entries to keep."""
+    return check_number(name, value, 0, 1, open_min=True)
+
+
+def check_bool(name: str, value: Any, note: str = "") -> bool:
     """``value`` if it is ``True`` or ``False`` (not a truthy number or string)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise ValueError(f"{name} must be True or False{_noted(note)}, got {value!r}")
     return value
 
 
@@ -33,19 +75,3 @@ def check_choice(name: str, value: T, allowed: Iterable[T]) -> T:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
-
-
-def check_density(name: str, value: Any) -> float:
-    """``value`` as a float if it is a finite number in (0, 1]: a fraction of entries to keep."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-    return float(value)
-
-
-def check_positive_number(name: str, value: Any, unit: str = "") -> float:
-    """``value`` as a float if it is a finite number > 0 (``unit`` names what it counts, for the message)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number{f' of {unit}' if unit else ''}, got {value!r}")
-    return float(value)

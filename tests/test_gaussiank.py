@@ -158,8 +158,8 @@ def test_gaussiank_follows_a_density_changed_between_epochs() -> None:
     [
         ({"density": 0.0}, r"density must be a number in \(0, 1\], got 0.0"),
         ({"density": 1.5}, r"density must be a number in \(0, 1\], got 1.5"),
-        ({"refinements": -1}, r"refinements must be an integer in \[0, 10\], got -1"),
-        ({"refinements": 2.0}, r"refinements must be an integer in \[0, 10\], got 2.0"),
+        ({"refinements": -1}, r"refinements must be an integer from 0 to 10, got -1"),
+        ({"refinements": 2.0}, r"refinements must be an integer from 0 to 10, got 2.0"),
     ],
 )
 def test_gaussiank_rejects_bad_arguments(kwargs: dict, message: str) -> None:

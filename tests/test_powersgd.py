@@ -146,10 +146,10 @@ def test_a_group_refuses_shapes_or_warm_starts_that_do_not_fit() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rank": 0}, "rank must be a positive integer"),
-        ({"rank": 2.0}, "rank must be a positive integer"),
-        ({"min_compression_rate": 0.5}, "min_compression_rate must be a number >= 1"),
-        ({"epsilon": -1e-8}, "epsilon must be a finite number >= 0"),
+        ({"rank": 0}, r"rank must be an integer >= 1 \(the approximation rank r\), got 0"),
+        ({"rank": 2.0}, r"rank must be an integer >= 1 \(the approximation rank r\), got 2.0"),
+        ({"min_compression_rate": 0.5}, "min_compression_rate must be a finite number >= 1, got 0.5"),
+        ({"epsilon": -1e-8}, "epsilon must be a finite number >= 0, got -1e-08"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kwargs: dict, message: str) -> None:

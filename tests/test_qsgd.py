@@ -84,7 +84,7 @@ def test_a_zero_block_sends_zeros() -> None:
         ({"levels": 0}, "levels must be an integer from 1 to 127"),
         ({"levels": 128}, "levels must be an integer from 1 to 127"),
         ({"levels": 2.0}, "levels must be an integer from 1 to 127"),
-        ({"block_size": 0}, "block_size must be an integer >= 1 or None"),
+        ({"block_size": 0}, r"block_size must be an integer >= 1 \(or None: one block per tensor\), got 0"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kwargs: dict, message: str) -> None:

@@ -49,7 +49,9 @@ def test_bad_p_is_rejected(bad: object) -> None:
 
 @pytest.mark.parametrize("bad", [0, -4, 1.5, True, "8"])
 def test_bad_block_size_is_rejected(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"block_size must be an integer >= 1 or None .*got"):
+    with pytest.raises(
+        ValueError, match=r"^block_size must be an integer >= 1 \(or None: one block per tensor\), got "
+    ):
         BlockQuantizer(block_size=bad)  # type: ignore[arg-type]
 
 

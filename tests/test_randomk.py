@@ -26,7 +26,8 @@ def test_bad_density_is_rejected(bad: object) -> None:
 
 @pytest.mark.parametrize("bad", [1, 0, "yes", None])
 def test_bad_scaled_is_rejected(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"scaled must be True .* or False .*, got"):
+    message = r"^scaled must be True or False \(True: unbiased, values x d/k; False: for error feedback\), got "
+    with pytest.raises(ValueError, match=message):
         RandomKCompressor(scaled=bad)  # type: ignore[arg-type]
 
 

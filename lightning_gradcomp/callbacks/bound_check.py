@@ -55,7 +55,7 @@ from lightning_gradcomp.callbacks._common import (
     resolve_layers,
 )
 from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.validation import check_bool, check_choice, check_int
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 
 ON_VIOLATION = ("ignore", "warn", "stop", "raise")
 #: The bounds, in the order their violation counts travel between ranks.
@@ -182,8 +182,7 @@ class BoundCheck(pl.Callback):
         self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
         check_choice("on_violation", on_violation, ON_VIOLATION)
         check_bool("log_layers", log_layers)
-        if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not (0.0 <= rtol < 1.0):
-            raise ValueError(f"rtol must be a number in [0, 1), got {rtol!r}")
+        check_number("rtol", rtol, 0, 1, open_max=True)
         self.on_violation = on_violation
         self.log_layers = log_layers
         self.rtol = float(rtol)

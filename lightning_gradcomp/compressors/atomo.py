@@ -57,13 +57,12 @@ from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.identity import DensePayload
 from lightning_gradcomp.compressors.sparse import itemsize
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.validation import check_number
 
 
 def validate_budget(budget: float) -> float:
     """``budget`` (the expected number of atoms ``s``) as a float; ``ValueError`` unless it is finite and > 0."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"budget must be a finite number > 0 (expected atoms per layer), got {budget!r}")
-    return float(budget)
+    return check_number("budget", budget, 0, open_min=True, note="expected atoms per layer")
 
 
 def atomo_probabilities(magnitudes: Tensor, budget: float) -> Tensor:

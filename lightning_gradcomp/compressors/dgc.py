@@ -8,10 +8,8 @@ costs two comparisons per entry plus a Top-k of about ``k`` candidates.
 
 from __future__ import annotations
 
-import math
-
 from lightning_gradcomp.compressors.topk import TopKCompressor
-from lightning_gradcomp.validation import check_density, check_int
+from lightning_gradcomp.validation import check_density, check_int, check_number
 
 
 class DGCCompressor(TopKCompressor):
@@ -45,6 +43,4 @@ class DGCCompressor(TopKCompressor):
         super().__init__(density)
         self.sample_ratio = check_density("sample_ratio", sample_ratio)
         self.min_samples = check_int("min_samples", min_samples, 1)
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
-            raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
-        self.margin = float(margin)
+        self.margin = check_number("margin", margin, 0)

@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
 from lightning_gradcomp.compressors.sparse import SparsePayload
 from lightning_gradcomp.compressors.topk import TopKCompressor, k_for
+from lightning_gradcomp.validation import check_int
 
 #: The count lands in ``[LOWER * k, k]``: a threshold that keeps too few is lowered by ``SHRINK``.
 LOWER = 0.5
@@ -84,9 +85,7 @@ class GaussianKCompressor(TopKCompressor):
 
     def __init__(self, density: float = 0.001, refinements: int = 3) -> None:
         super().__init__(density)
-        if isinstance(refinements, bool) or not isinstance(refinements, int) or not (0 <= refinements <= 10):
-            raise ValueError(f"refinements must be an integer in [0, 10], got {refinements!r}")
-        self.refinements = refinements
+        self.refinements = check_int("refinements", refinements, 0, 10)
 
     def compress(
         self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None

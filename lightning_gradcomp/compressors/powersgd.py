@@ -27,7 +27,6 @@ differences from PyTorch's hook are listed in :class:`PowerSGDCompressor`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +34,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Payload, all_finite
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
+from lightning_gradcomp.validation import check_int, check_number
 
 
 def orthogonalize_(matrix: Tensor, epsilon: float = 0.0) -> Tensor:
@@ -171,20 +171,9 @@ class PowerSGDCompressor(Compressor):
     float_wire = True
 
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, epsilon: float = 0.0) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be a positive integer (the approximation rank r), got {rank!r}")
-        if (
-            isinstance(min_compression_rate, bool)
-            or not isinstance(min_compression_rate, (int, float))
-            or not math.isfinite(min_compression_rate)
-            or min_compression_rate < 1
-        ):
-            raise ValueError(f"min_compression_rate must be a number >= 1, got {min_compression_rate!r}")
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < math.inf:
-            raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
-        self.rank = rank
-        self.min_compression_rate = float(min_compression_rate)
-        self.epsilon = float(epsilon)
+        self.rank = check_int("rank", rank, 1, note="the approximation rank r")
+        self.min_compression_rate = check_number("min_compression_rate", min_compression_rate, 1)
+        self.epsilon = check_number("epsilon", epsilon, 0)
         self._dense = IdentityCompressor()
 
     @property

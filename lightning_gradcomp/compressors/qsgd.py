@@ -30,6 +30,7 @@ from lightning_gradcomp.compressors.base import Payload
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, stochastic_ternary, working_dtype
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.validation import check_int
 
 #: QSGD's default: 7 levels, the most that 4-bit codes hold, in blocks of 512 elements (the
 #: paper's bucketing: a norm per bucket keeps the variance bound independent of the layer size).
@@ -111,8 +112,7 @@ class QSGDCompressor(BlockQuantizer):
     name = "qsgd"
 
     def __init__(self, levels: int = DEFAULT_LEVELS, block_size: int | None = DEFAULT_QSGD_BLOCK) -> None:
-        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
-            raise ValueError(f"levels must be an integer from 1 to 127 (QSGD's s), got {levels!r}")
+        levels = check_int("levels", levels, 1, 127, note="QSGD's s")
         super().__init__(p=2, block_size=block_size)
         self.levels = levels
 

@@ -42,6 +42,7 @@ from lightning_gradcomp.compressors.ternary import (
     stochastic_ternary,
     working_dtype,
 )
+from lightning_gradcomp.validation import check_int
 
 #: Default elements per block: omega stays bounded (15.5 for p = inf, 31 for p = 2) whatever the
 #: layer size, for 4 bytes of norm per 1024 elements (2.03 bits per element on the wire).
@@ -55,15 +56,6 @@ def validate_p(p: float | str) -> float:
     if not isinstance(p, bool) and isinstance(p, (int, float)) and p in (2, math.inf):
         return float(p)
     raise ValueError(f"p must be 2 or inf (float('inf') or 'inf'), got {p!r}")
-
-
-def validate_block_size(block_size: int | None) -> int | None:
-    """Return ``block_size`` (``None`` = one block per tensor), or raise ``ValueError`` unless it is an int >= 1."""
-    if block_size is None:
-        return None
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1 or None (one block per tensor), got {block_size!r}")
-    return block_size
 
 
 class BlockQuantizer(Compressor):
@@ -85,7 +77,9 @@ class BlockQuantizer(Compressor):
 
     def __init__(self, p: float | str = math.inf, block_size: int | None = DEFAULT_BLOCK_SIZE) -> None:
         self.p = validate_p(p)
-        self.block_size = validate_block_size(block_size)
+        if block_size is not None:
+            check_int("block_size", block_size, 1, note="or None: one block per tensor")
+        self.block_size = block_size
 
     def _block(self, numel: int) -> int:
         """Elements per block for a tensor of ``numel`` elements."""

@@ -21,14 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
-from lightning_gradcomp.validation import check_density
-
-
-def validate_scaled(scaled: bool) -> bool:
-    """``scaled`` as a bool; ``ValueError`` unless it is one."""
-    if not isinstance(scaled, bool):
-        raise ValueError(f"scaled must be True (unbiased, values x d/k) or False (for error feedback), got {scaled!r}")
-    return scaled
+from lightning_gradcomp.validation import check_bool, check_density
 
 
 def sample_indices(d: int, k: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
@@ -67,7 +60,7 @@ class RandomKCompressor(FixedKSparsifier):
 
     def __init__(self, density: float = 0.01, scaled: bool = True) -> None:
         self.density = check_density("density", density)
-        self.scaled = validate_scaled(scaled)
+        self.scaled = check_bool("scaled", scaled, note="True: unbiased, values x d/k; False: for error feedback")
 
     @property
     def unbiased(self) -> bool:  # type: ignore[override]

@@ -16,7 +16,6 @@ ternary tensors is ``s * sum(codes) / P`` and the integer codes can be summed by
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -29,22 +28,10 @@ from lightning_gradcomp.compressors.ternary import (
     stochastic_ternary,
     working_dtype,
 )
-from lightning_gradcomp.validation import check_bool
+from lightning_gradcomp.validation import check_bool, check_number
 
 #: Largest world size whose code sums fit in int8; above it the summable form is int32 (gloo has no int16).
 INT8_WORLD_LIMIT = 127
-
-
-def validate_clip_sigma(clip_sigma: float) -> float:
-    """Return ``clip_sigma`` as a float, or raise ``ValueError`` unless it is a finite number >= 0."""
-    if (
-        isinstance(clip_sigma, bool)
-        or not isinstance(clip_sigma, (int, float))
-        or not math.isfinite(clip_sigma)
-        or clip_sigma < 0
-    ):
-        raise ValueError(f"clip_sigma must be a finite number >= 0 (0 disables clipping), got {clip_sigma!r}")
-    return float(clip_sigma)
 
 
 class TernGradCompressor(Compressor):
@@ -80,7 +67,7 @@ class TernGradCompressor(Compressor):
     name = "terngrad"
 
     def __init__(self, clip_sigma: float = 2.5, share_scale: bool = True) -> None:
-        self.clip_sigma = validate_clip_sigma(clip_sigma)
+        self.clip_sigma = check_number("clip_sigma", clip_sigma, 0, note="0 disables clipping")
         check_bool("share_scale", share_scale)
         self.share_scale = share_scale
 

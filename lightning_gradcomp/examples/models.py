@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.validation import check_int, check_number
 
 
 class LeNet5(nn.Module):
@@ -171,8 +171,7 @@ class AlexNet(nn.Module):
         super().__init__()
         check_int("num_classes", num_classes, 2)
         check_int("hidden", hidden, 1)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+        check_number("dropout", dropout, 0, 1, open_max=True)
         self.features = nn.Sequential(
             nn.Conv2d(3, 64, 3, stride=2, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
             nn.Conv2d(64, 192, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
@@ -222,12 +221,9 @@ class ImageClassifier(pl.LightningModule):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"lr must be a number > 0, got {lr!r}")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+        check_number("lr", lr, 0, open_min=True)
+        check_number("momentum", momentum, 0, 1, open_max=True)
+        check_number("weight_decay", weight_decay, 0)
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0, got momentum=0")
         milestones = list(lr_milestones or [])
@@ -235,8 +231,7 @@ class ImageClassifier(pl.LightningModule):
             set(milestones)
         ):
             raise ValueError(f"lr_milestones must be increasing epochs >= 1, got {lr_milestones!r}")
-        if isinstance(lr_gamma, bool) or not isinstance(lr_gamma, (int, float)) or not 0.0 < lr_gamma <= 1.0:
-            raise ValueError(f"lr_gamma must be a number in (0, 1], got {lr_gamma!r}")
+        check_number("lr_gamma", lr_gamma, 0, 1, open_min=True)
         self.save_hyperparameters(ignore=["model"])
         self.model = model
         # per-sample means over every rank's batches: exact accuracy, whatever the batch sizes

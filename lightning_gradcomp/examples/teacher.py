@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
-from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.validation import check_int, check_number
 
 
 def teacher_dataset(n: int, features: int, classes: int, seed: int) -> TensorDataset:
@@ -79,8 +79,7 @@ class MLPClassifier(pl.LightningModule):
         super().__init__()
         for name, value, minimum in (("features", features, 1), ("hidden", hidden, 1), ("classes", classes, 2)):
             check_int(name, value, minimum)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"lr must be a number > 0, got {lr!r}")
+        check_number("lr", lr, 0, open_min=True)
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
         self.val_accuracy = MeanMetric()  # per-sample mean over every rank's batches
