@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,7 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))  # fmt: skip
+    failure = None
     try:
         data = _mnist(args.data_dir, args.holdout)
         settings = ("model", "ranks", "batch", "lr", "momentum", "steps", "eval_every", "seeds")
@@ -149,9 +151,12 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
                     print(f"{method} seed {seed}: {result['final']:.2f}% ({result['seconds']:.0f} s)",
                           file=sys.stderr, flush=True)  # fmt: skip
                     Path(args.json).write_text(json.dumps(report, indent=1))  # after every run: partial results kept
-    finally:
-        gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
-        dist.destroy_process_group()
+    except Exception:
+        failure = traceback.format_exc()  # the text: a live traceback would keep the run's DDP wrappers alive
+    gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
+    dist.destroy_process_group()
+    if failure is not None:
+        raise RuntimeError(f"rank {rank} failed:\n{failure}")
 
 
 def train(args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ def _suggestion(message: str, parser: LightningArgumentParser) -> str:
     """``did you mean ...?`` for an option jsonargparse did not accept, from the names it would accept."""
     typo = re.search(r"does not accept option '([\w.]+)'", message)
     if typo:
-        names = list(parser.get_defaults(skip_check=True).keys())  # every option's dotted key
+        names = list(parser.get_defaults(skip_validation=True).keys())  # every option's dotted key
     else:
         typo = re.search(r"Option '(\w+)' is not accepted", message)
         cls = _class_of(next(iter(re.findall(r"class_path '([\w.]+)'", message)), None))

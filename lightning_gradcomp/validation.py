@@ -31,6 +31,13 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None, n
     return value
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def check_number(
     name: str,
     value: Any,
@@ -43,7 +50,7 @@ def check_number(
 ) -> float:
     """``value`` as a float if it is a finite number (not a bool) between ``minimum`` and ``maximum`` (no upper
     bound when None; an end is excluded where ``open_min`` / ``open_max`` say); NaN and infinities never are."""
-    fits = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    fits = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
     if fits:
         above = value > minimum if open_min else value >= minimum
         below = maximum is None or (value < maximum if open_max else value <= maximum)

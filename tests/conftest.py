@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from mnist_fit import fit
-from ranks import LaunchOnce, run_ranks
+from ranks import EveryRank, LaunchOnce, case_results, run_ranks
 
 #: The real MNIST test set (10,000 images, IDX) beside the repository.
 MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
@@ -29,6 +29,14 @@ def launch_once() -> LaunchOnce:
         return launched[key]
 
     return launch
+
+
+@pytest.fixture
+def every_rank(request: pytest.FixtureRequest, launch_once: LaunchOnce) -> EveryRank:
+    """``every_rank(world_size, case)``: ``case``'s result on every rank, from one launch per world size of the
+    test module's ``every_case(rank, world_size)`` worker (a ``ranks.run_cases`` over its cases)."""
+    worker = request.module.every_case
+    return lambda world_size, case: case_results(launch_once(worker, world_size), case)
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: s
         NODE_RANK="0",
     )
     torch.set_num_threads(1)
+    failed = False
     try:
         if init:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
@@ -55,11 +56,12 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: s
         torch.save(result, Path(out) / f"{rank}.pt")
     except BaseException:
         (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
+        failed = True  # exit below: a live traceback would keep the failed frames' DDP wrappers alive
+    gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if failed:
         sys.exit(1)
-    finally:
-        gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def run_ranks(
@@ -96,7 +98,8 @@ def run_ranks(
 #: ``launch_once(fn, world_size)``, the session fixture of conftest.py: ``run_ranks(fn, world_size)`` launched
 #: once per session, for workers that run several cases each read by its own test.
 LaunchOnce = Callable[[Callable[..., Any], int], list[Any]]
-#: ``every_rank(world_size, case)``: a case's result on every rank (``case_results`` of a module's launch).
+#: ``every_rank(world_size, case)``, the fixture of conftest.py: a case's result on every rank (``case_results``
+#: of the launch of a test module's ``every_case`` worker).
 EveryRank = Callable[[int, Any], list[Any]]
 
 
@@ -112,7 +115,8 @@ class CaseFailure:
 def run_cases(rank: int, world_size: int, cases: dict[Any, Callable[[int, int], Any]]) -> dict[Any, Any]:
     """Run every case on this rank, ``case(rank, world_size)``; one that raises is recorded as a
     :class:`CaseFailure` and the next one runs. (A case that fails on some ranks only can leave the others
-    waiting in a collective until the process group's timeout: they then fail that case too.)"""
+    waiting in a collective until the process group's timeout: they then fail that case too, and the ranks'
+    collectives may stay out of step for the cases after it, which then fail or time out as well.)"""
     out: dict[Any, Any] = {}
     for name, case in cases.items():
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import EveryRank, LaunchOnce, case_results, run_cases
+from ranks import EveryRank, run_cases
 
 from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
 from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
@@ -42,16 +42,10 @@ def _allgather_variable(rank: int, world_size: int) -> dict:
     }
 
 
-def _every_case(rank: int, world_size: int) -> dict:
+def every_case(rank: int, world_size: int) -> dict:
     """All cases in one launch per world size (starting ranks costs seconds; the cases are independent)."""
     cases = {"variable": _allgather_variable, "empty": _allgather_all_empty, "fixed": _topk_and_dense}
     return run_cases(rank, world_size, cases)
-
-
-@pytest.fixture
-def every_rank(launch_once: LaunchOnce) -> EveryRank:
-    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
-    return lambda world_size, case: case_results(launch_once(_every_case, world_size), case)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from ranks import EveryRank, LaunchOnce, case_results, free_port, run_cases
+from ranks import EveryRank, free_port, run_cases
 from torch import nn
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompFabricStrategy, GradCompStrategy, make_hook
@@ -132,18 +132,12 @@ def _resume(name: str):
     return case
 
 
-def _fabric_cases(rank: int, world_size: int) -> dict[str, Any]:
+def every_case(rank: int, world_size: int) -> dict[str, Any]:
     """Every case, on every rank: the named presets by name, identity against plain DDP, refusals, resume."""
     cases = {name: _preset(name) for name in PRESETS}
     cases |= {"identity and ddp": _identity_and_plain_ddp, "refusals": _refusals}
     cases |= {f"resume {name}": _resume(name) for name in RESUMED}
     return run_cases(rank, world_size, cases)
-
-
-@pytest.fixture
-def every_rank(launch_once: LaunchOnce) -> EveryRank:
-    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
-    return lambda world_size, case: case_results(launch_once(_fabric_cases, world_size), case)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import ShuffledClassifier, TinyClassifier, teacher_task
-from ranks import EveryRank, LaunchOnce, case_results, run_cases, run_ranks
+from ranks import EveryRank, run_cases, run_ranks
 from test_hook import STEPS, _train
 from test_resume import BUCKET_CAP_MB, TIMEOUT, N, _outcome
 from test_sign import _Recording
@@ -85,24 +85,17 @@ def _grid(world_size: int) -> tuple[tuple[int, ...], list[tuple[str, str]]]:
     return UNEVEN, [(m, s) for m in ("topk", "identity") for s in ("flat", "sharded")]
 
 
-def _cases(rank: int, world_size: int) -> dict:
+def every_case(rank: int, world_size: int) -> dict:
     node_ids, cases = _grid(world_size)
     return run_cases(rank, world_size, {case: partial(_case, case[0], node_ids, case[1]) for case in cases})
 
 
-@pytest.fixture
-def every_rank(launch_once: LaunchOnce) -> EveryRank:
-    """``every_rank(world_size, (method, scheme))``: the case's result on every rank, from one launch per size."""
-    return lambda world_size, case: case_results(launch_once(_cases, world_size), case)
-
-
-@pytest.mark.parametrize("world_size", [4, 3])
-def test_every_rank_ends_bit_identical(world_size: int, every_rank: EveryRank) -> None:
-    for case in _grid(world_size)[1]:
-        runs = every_rank(world_size, case)
-        for run in runs[1:]:
-            for name, value in run["weights"].items():
-                assert torch.equal(value, runs[0]["weights"][name]), (case, name)
+@pytest.mark.parametrize(("world_size", "case"), [(w, case) for w in (4, 3) for case in _grid(w)[1]])
+def test_every_rank_ends_bit_identical(world_size: int, case: tuple[str, str], every_rank: EveryRank) -> None:
+    runs = every_rank(world_size, case)
+    for run in runs[1:]:
+        for name, value in run["weights"].items():
+            assert torch.equal(value, runs[0]["weights"][name]), name
 
 
 @pytest.mark.parametrize(("world_size", "scheme"), [(4, "sharded"), (4, "leader"), (3, "sharded")])
@@ -145,20 +138,19 @@ def test_dense_through_the_hierarchy_is_the_world_mean(world_size: int, every_ra
         torch.testing.assert_close(value, flat[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scheme", ["sharded", "leader"])
+@pytest.mark.parametrize("method", ["topk", "gtopk", "terngrad"])
 def test_fewer_bytes_cross_between_nodes_than_a_flat_exchange_sends(
-    every_rank: EveryRank,
+    method: str, scheme: str, every_rank: EveryRank
 ) -> None:
-    for method in ("topk", "gtopk", "terngrad"):
-        flat_runs = every_rank(4, (method, "flat"))
-        for scheme in ("sharded", "leader"):
-            runs = every_rank(4, (method, scheme))
-            flat = sum(s.bytes_sent for r in flat_runs for s in r["history"][1:])
-            inter = sum(s.bytes_sent for r in runs for s in r["history"][1:])
-            intra = sum(s.bytes_sent_intra_node for r in runs for s in r["history"][1:])
-            assert inter < flat, (method, scheme, inter, flat)
-            assert intra > 0 and all(s.bytes_sent_intra_node == 0 for s in flat_runs[0]["history"])
-            if scheme == "leader":  # local rank 1 of each node talks to no other node
-                assert all(s.bytes_sent == 0 for r in (runs[1], runs[3]) for s in r["history"][1:])
+    flat_runs, runs = every_rank(4, (method, "flat")), every_rank(4, (method, scheme))
+    flat = sum(s.bytes_sent for r in flat_runs for s in r["history"][1:])
+    inter = sum(s.bytes_sent for r in runs for s in r["history"][1:])
+    intra = sum(s.bytes_sent_intra_node for r in runs for s in r["history"][1:])
+    assert inter < flat, (inter, flat)
+    assert intra > 0 and all(s.bytes_sent_intra_node == 0 for s in flat_runs[0]["history"])
+    if scheme == "leader":  # local rank 1 of each node talks to no other node
+        assert all(s.bytes_sent == 0 for r in (runs[1], runs[3]) for s in r["history"][1:])
 
 
 def _trainer_on_nodes(rank: int, world_size: int, hierarchy: str, nodes: int) -> dict:

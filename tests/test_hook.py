@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from models import teacher_task
-from ranks import EveryRank, LaunchOnce, case_results, run_cases
+from ranks import EveryRank, run_cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -233,7 +233,7 @@ def _density_warmup(rank: int, world_size: int) -> dict:
     return {"counts": compressor.counts, "history": list(hook.history)}
 
 
-def _every_case(rank: int, world_size: int) -> dict:
+def every_case(rank: int, world_size: int) -> dict:
     """Every workload below in one launch per world size (starting ranks costs seconds)."""
     cases = {
         "ef/layer": lambda r, w: _ef_bookkeeping(r, w, "layer"),
@@ -245,12 +245,6 @@ def _every_case(rank: int, world_size: int) -> dict:
         "density warmup": _density_warmup,
     }
     return run_cases(rank, world_size, cases)
-
-
-@pytest.fixture
-def every_rank(launch_once: LaunchOnce) -> EveryRank:
-    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
-    return lambda world_size, case: case_results(launch_once(_every_case, world_size), case)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import EveryRank, LaunchOnce, case_results, run_cases
+from ranks import EveryRank, run_cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -59,7 +59,7 @@ def _terngrad_weights(rank: int, world_size: int, seed: int) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _every_case(rank: int, world_size: int) -> dict:
+def every_case(rank: int, world_size: int) -> dict:
     cases = {
         ("alphas", granularity, block): lambda r, w, g=granularity, b=block: _diana_alphas(r, w, g, b)
         for granularity in ("layer", "model", "group")
@@ -67,12 +67,6 @@ def _every_case(rank: int, world_size: int) -> dict:
     }
     cases["terngrad"] = lambda r, w: [_terngrad_weights(r, w, seed) for seed in (0, 0, 1)]
     return run_cases(rank, world_size, cases)
-
-
-@pytest.fixture
-def every_rank(launch_once: LaunchOnce) -> EveryRank:
-    """``every_rank(world_size, case)``: the case's result on every rank, from one launch per world size."""
-    return lambda world_size, case: case_results(launch_once(_every_case, world_size), case)
 
 
 @pytest.mark.parametrize("granularity", ["layer", "model", "group"])
