@@ -90,7 +90,9 @@ def every_case(rank: int, world_size: int) -> dict:
     return run_cases(rank, world_size, {case: partial(_case, case[0], node_ids, case[1]) for case in cases})
 
 
-@pytest.mark.parametrize(("world_size", "case"), [(w, case) for w in (4, 3) for case in _grid(w)[1]])
+@pytest.mark.parametrize(
+    ("world_size", "case"), [pytest.param(w, case, id=f"{w}-{'-'.join(case)}") for w in (4, 3) for case in _grid(w)[1]]
+)
 def test_every_rank_ends_bit_identical(world_size: int, case: tuple[str, str], every_rank: EveryRank) -> None:
     runs = every_rank(world_size, case)
     for run in runs[1:]:
