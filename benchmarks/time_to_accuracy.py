@@ -29,7 +29,6 @@ in steady state every step of a method takes the same time. Evaluation is not co
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -134,6 +133,8 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
     import torch
     import torch.distributed as dist
 
+    from lightning_gradcomp.torch_ddp import destroy_process_group
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))  # fmt: skip
@@ -153,8 +154,7 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
                     Path(args.json).write_text(json.dumps(report, indent=1))  # after every run: partial results kept
     except Exception:
         failure = traceback.format_exc()  # the text: a live traceback would keep the run's DDP wrappers alive
-    gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
-    dist.destroy_process_group()
+    destroy_process_group()  # after the frames that held DDP wrappers are gone (see its docstring)
     if failure is not None:
         raise RuntimeError(f"rank {rank} failed:\n{failure}")
 

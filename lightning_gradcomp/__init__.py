@@ -29,7 +29,8 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.fabric import GradCompFabricStrategy
 from lightning_gradcomp.hook import GradCompHook, StepStats, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
-from lightning_gradcomp.strategy import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp.presets import NAMED_STRATEGIES
+from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.torch_ddp import make_hook
 
 __version__ = "0.1.0.dev0"

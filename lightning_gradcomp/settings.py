@@ -71,7 +71,7 @@ class CompressionSettings:
         for name, value in (("compressor_kwargs", compressor_kwargs), ("memory_kwargs", memory_kwargs)):
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a dictionary of keyword arguments or None, got {value!r}")
-        if isinstance(dense_parameters, (str, bytes)) or not isinstance(dense_parameters, (list, tuple)):
+        if not isinstance(dense_parameters, (list, tuple)) or not all(isinstance(p, str) for p in dense_parameters):
             raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
         compressor_args = dict(compressor_kwargs or {})
         if density is not None:
@@ -130,8 +130,6 @@ class CompressionSettings:
         self.seed = check_int("seed", seed, 0)
         self.density_schedule = self._check_schedule(density_schedule)
         self.density_warmup = self._check_density_warmup(density_warmup_steps, density_warmup_start)
-        if not all(isinstance(p, str) for p in dense_parameters):
-            raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
         check_bool("keep_last_layer_dense", keep_last_layer_dense)
         check_choice("on_world_size_change", on_world_size_change, ("error", "reset"))
         self.on_world_size_change = on_world_size_change

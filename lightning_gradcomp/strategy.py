@@ -18,23 +18,13 @@ from typing_extensions import override
 
 from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, remove_shards
 from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.presets import (
-    NAMED_STRATEGIES,
-    PRESET_ATOMO_DENSE_STEPS,
-    PRESET_DENSITY_WARMUP_STEPS,
-    PRESET_POWERSGD_DENSE_STEPS,
-    register_presets,
-)
+from lightning_gradcomp.presets import register_presets
 from lightning_gradcomp.settings import SETTINGS, CompressionSettings
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB
 
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 __all__ = [
-    "NAMED_STRATEGIES",
-    "PRESET_ATOMO_DENSE_STEPS",
-    "PRESET_DENSITY_WARMUP_STEPS",
-    "PRESET_POWERSGD_DENSE_STEPS",
     "GradCompStrategy",
 ]
 
@@ -213,5 +203,5 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``ddp_gradcomp`` and the named presets in :data:`NAMED_STRATEGIES`."""
+        """Register ``ddp_gradcomp`` and the named presets in :data:`~lightning_gradcomp.presets.NAMED_STRATEGIES`."""
         register_presets(strategy_registry, cls, cls.strategy_name)

@@ -8,6 +8,8 @@
     ...
     torch.save({"model": ddp.module.state_dict(), "hook": hook.state_dict()}, f"rank{rank}.pt")  # every rank
     hook.load_state_dict(torch.load(f"rank{rank}.pt", weights_only=True)["hook"])                 # on resume
+    del ddp
+    destroy_process_group()                              # at the end: the group goes after the wrappers
 
 The arguments and their checks are the strategies' (:class:`~lightning_gradcomp.settings.CompressionSettings`);
 ``hook.state_dict()`` holds everything that makes a resumed run the run that never stopped (the step
@@ -17,6 +19,7 @@ every rank: each rank saves and loads its own.
 
 from __future__ import annotations
 
+import gc
 from datetime import timedelta
 from typing import Any
 
@@ -75,3 +78,16 @@ def make_hook(
     named = list(model.named_parameters())
     config.check_settings_agree(named, group)
     return config.build_hook(model, group, node_id, timeout)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group once the script has deleted its ``DistributedDataParallel`` wrappers.
+
+    The order matters with gloo: a wrapper freed after its group drops the group's last reference from C++
+    while holding the GIL and joins gloo's threads, one of which may need the GIL to release a collective's
+    tensors (a hang, or an abort at exit; pytorch/pytorch#56297). Collected here first, the wrappers go while
+    the group lives, and the group's last reference is dropped from Python, which releases the GIL.
+    """
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -11,7 +11,6 @@ a ``Trainer`` in ``fn`` joins the ranks as under torchrun.
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import sys
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lightning_gradcomp.torch_ddp import destroy_process_group
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=60)
 
@@ -57,9 +58,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: s
     except BaseException:
         (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
         failed = True  # exit below: a live traceback would keep the failed frames' DDP wrappers alive
-    gc.collect()  # DDP wrappers freed while the group lives: freed after it, they join gloo threads holding the GIL
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_process_group()  # after the frames that held DDP wrappers are gone (see its docstring)
     if failed:
         sys.exit(1)
 

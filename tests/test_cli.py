@@ -205,9 +205,14 @@ def test_console_script_fits_the_quickstart_on_two_processes(tmp_path: Path) -> 
 
 
 def test_bad_demo_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["demo", "--density", "0"])
-    assert "--density: density must be a number in (0, 1], got 0.0" in capsys.readouterr().err
+    for argv, message in (
+        (["--density", "0"], "--density must be a number in (0, 1], got 0.0"),
+        (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+        (["--devices", "-1"], "--devices must be an integer >= 1, got -1"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["demo", *argv])
+        assert message in capsys.readouterr().err
 
 
 def test_demo_trains_on_two_processes_and_reports_the_saving(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ def _preset(name: str):
     return case
 
 
-def _identity_and_plain_ddp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+def _identity_and_plain_ddp(rank: int, world_size: int) -> dict[str, Any]:
     from lightning.fabric.strategies import DDPStrategy
 
     # the same buckets for both: gloo's ring sums each chunk starting from another rank, so where a
@@ -86,7 +86,8 @@ def _identity_and_plain_ddp(rank: int, world_size: int) -> dict[str, torch.Tenso
     identity = GradCompFabricStrategy(compressor="none", memory="none", aggregator="allreduce", bucket_cap_mb=0.005)
     fabric, model, optimizer = _fabric(identity, world_size)
     _train(fabric, model, optimizer, rank, range(STEPS))
-    return {"ddp": plain, "identity": _weights(model)}
+    hook = model._forward_module._get_ddp_logging_data().get("comm_hook")
+    return {"ddp": plain, "identity": _weights(model), "comm_hook": hook, "steps": len(identity.gradcomp_hook.history)}
 
 
 def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
@@ -167,6 +168,7 @@ def test_the_identity_compressor_gives_fabrics_plain_ddp_weights_bit_for_bit(
     world_size: int, every_rank: EveryRank
 ) -> None:
     for result in every_rank(world_size, "identity and ddp"):
+        assert result["comm_hook"] == "gradcomp_comm_hook" and result["steps"] == STEPS  # through our hook
         assert torch.equal(result["identity"], result["ddp"])
 
 

@@ -352,7 +352,7 @@ MNIST_SCHEDULE = {"lr_milestones": [4], "lr_gamma": 0.1}
 def test_mnist_with_gtopk_is_within_one_point_of_dense(mnist_fit: Callable[..., dict]) -> None:
     dense = mnist_fit({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, model_kwargs=MNIST_SCHEDULE)
     gtopk = mnist_fit(
-        {"compressor": "topk", "density": 0.01, "aggregator": "gtopk", "granularity": "bucket"},
+        {"compressor": "topk", "density": 0.01, "aggregator": "gtopk", "granularity": "group"},
         steps=MNIST_STEPS,
         model_kwargs=MNIST_SCHEDULE,
     )

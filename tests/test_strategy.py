@@ -12,8 +12,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
 from lightning_gradcomp.checkpoint import ShardError
 from lightning_gradcomp.compressors import TernGradCompressor
+from lightning_gradcomp.presets import PRESET_DENSITY_WARMUP_STEPS
 from lightning_gradcomp.schedule import DensityWarmup
-from lightning_gradcomp.strategy import PRESET_DENSITY_WARMUP_STEPS
 
 
 @pytest.mark.parametrize(

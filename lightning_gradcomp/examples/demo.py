@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import inspect
 from collections.abc import Sequence
 from datetime import timedelta
 
 import lightning.pytorch as pl
-import torch.distributed
 from rich.console import Console
 from rich.table import Table
 
@@ -17,7 +15,8 @@ from lightning_gradcomp.catalog import PROG
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.examples.teacher import MLPClassifier, TeacherDataModule
 from lightning_gradcomp.strategy import GradCompStrategy
-from lightning_gradcomp.validation import check_density
+from lightning_gradcomp.torch_ddp import destroy_process_group
+from lightning_gradcomp.validation import check_density, check_int
 
 
 def run_demo(
@@ -59,10 +58,8 @@ def run_demo(
             f"{summary['val_acc']:.3f}", f"{sent:,.0f}", f"{dense:,.0f}", f"{summary['compression_ratio']:.1f}x"
         )
         Console().print(table)
-    del trainer, strategy, hook
-    gc.collect()  # the DDP wrapper freed before the group, so gloo's threads are joined without the GIL held
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    del trainer, strategy, hook  # the DDP wrapper goes before the process group
+    destroy_process_group()
     return summary
 
 
@@ -82,11 +79,11 @@ def demo_main(argv: Sequence[str]) -> int:
     """``gradcomp demo``: :func:`run_demo` with checked arguments."""
     parser = _demo_parser()
     args = parser.parse_args(list(argv))
-    if args.devices < 1 or args.steps < 1:
-        parser.error(f"--devices and --steps must be >= 1, got {args.devices} and {args.steps}")
     try:
-        check_density("density", args.density)
+        check_int("--devices", args.devices, 1)
+        check_int("--steps", args.steps, 1)
+        check_density("--density", args.density)
     except ValueError as err:
-        parser.error(f"--density: {err}")
+        parser.error(str(err))
     run_demo(devices=args.devices, steps=args.steps, compressor=args.compressor, density=args.density)
     return 0

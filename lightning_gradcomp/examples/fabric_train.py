@@ -9,7 +9,6 @@ DDP hands. ``--strategy ddp`` runs plain DDP for comparison; any named strategy 
 from __future__ import annotations
 
 import argparse
-import gc
 
 import lightning as L
 import torch
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader
 
 import lightning_gradcomp  # noqa: F401  (registers the named strategies with Fabric)
 from lightning_gradcomp.examples.teacher import teacher_dataset
+from lightning_gradcomp.torch_ddp import destroy_process_group
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -63,12 +63,8 @@ def main(argv: list[str] | None = None) -> float:
         fabric.print(f"{args.strategy}: val_acc {accuracy:.4f}; bytes sent per step {sent:,.0f} (dense {dense:,.0f})")
     else:
         fabric.print(f"{args.strategy}: val_acc {accuracy:.4f} (no compressed step)")
-    # The DDP wrapper goes first: freed after the group, its reducer would drop the group's last reference
-    # holding the GIL and wait for gloo's threads, which may need the GIL (a hang or an abort at exit).
-    del model, optimizer
-    gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    del model, optimizer  # the DDP wrapper goes before the process group
+    destroy_process_group()
     return accuracy
 
 

@@ -12,7 +12,6 @@ residuals, step counter) at the end and a later run starts from there.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
 from lightning_gradcomp.examples.teacher import teacher_dataset
+from lightning_gradcomp.torch_ddp import destroy_process_group
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,11 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"{args.preset}: step {step}, val_acc {accuracy:.4f}; bytes sent per step {sent:,.0f} "
               f"(dense {dense:,.0f})")  # fmt: skip
-    # The DDP wrapper goes first: freed after the group, its reducer would drop the group's last reference
-    # holding the GIL and wait for gloo's threads, which may need the GIL (a hang or an abort at exit).
-    del ddp, model, optimizer
-    gc.collect()
-    dist.destroy_process_group()
+    del ddp, model, optimizer  # the DDP wrapper goes before the process group
+    destroy_process_group()
 
 
 if __name__ == "__main__":
