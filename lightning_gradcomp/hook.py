@@ -51,6 +51,7 @@ back. (No ``from __future__ import annotations`` here: DDP checks the hook's ann
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -120,6 +121,17 @@ class StepStats:
     def bits_per_element(self) -> float:
         """Bits sent per gradient element of the step."""
         return 8.0 * self.bytes_sent / self.numel if self.numel else 0.0
+
+
+def bytes_per_compressed_step(history: Iterable[StepStats]) -> tuple[float, float] | None:
+    """Mean ``(bytes_sent, dense_bytes)`` over the compressed steps of ``history`` (the dense warm-up steps
+    left out); ``None`` when no step was compressed."""
+    compressed = [s for s in history if s.compressed]
+    if not compressed:
+        return None
+    sent = sum(s.bytes_sent for s in compressed)
+    dense = sum(s.dense_bytes for s in compressed)
+    return sent / len(compressed), dense / len(compressed)
 
 
 @dataclass(frozen=True)

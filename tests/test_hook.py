@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.compressors import SparseEntries, TopKCompressor
 from lightning_gradcomp.compressors.topk import k_for
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.hook import GradCompHook, StepStats, bytes_per_compressed_step, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, NoMemory
 from lightning_gradcomp.schedule import DensityWarmup
 
@@ -267,3 +267,13 @@ def test_density_warmup_sets_k_of_each_compressed_step_from_the_step_counter(eve
         assert numel == 32 * 64 + 64 * 4
         assert result["counts"] == [(numel, k_for(numel, d)) for d in densities]
         assert [s.selected for s in result["history"] if s.compressed] == [k_for(numel, d) for d in densities]
+
+
+def test_bytes_per_compressed_step_leaves_the_dense_steps_out() -> None:
+    history = [
+        StepStats(step=0, compressed=False, bytes_sent=400, dense_bytes=400),
+        StepStats(step=1, compressed=True, bytes_sent=30, dense_bytes=400),
+        StepStats(step=2, compressed=True, bytes_sent=50, dense_bytes=400),
+    ]
+    assert bytes_per_compressed_step(history) == (40.0, 400.0)
+    assert bytes_per_compressed_step(history[:1]) is None

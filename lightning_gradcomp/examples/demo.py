@@ -14,6 +14,7 @@ from rich.table import Table
 from lightning_gradcomp.catalog import PROG
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.examples.teacher import MLPClassifier, TeacherDataModule
+from lightning_gradcomp.hook import bytes_per_compressed_step
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.torch_ddp import destroy_process_group
 from lightning_gradcomp.validation import check_density, check_int
@@ -41,9 +42,7 @@ def run_demo(
     trainer.fit(MLPClassifier(), TeacherDataModule(seed=seed))
     hook = strategy.gradcomp_hook
     assert hook is not None
-    compressed = [s for s in hook.history if s.compressed]
-    sent = sum(s.bytes_sent for s in compressed) / max(1, len(compressed))
-    dense = sum(s.dense_bytes for s in compressed) / max(1, len(compressed))
+    sent, dense = bytes_per_compressed_step(hook.history) or (0.0, 0.0)
     summary = {
         "val_acc": float(trainer.callback_metrics["val_acc"]),
         "bytes_sent_per_step": sent,

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 import lightning_gradcomp  # noqa: F401  (registers the named strategies with Fabric)
 from lightning_gradcomp.examples.teacher import teacher_dataset
+from lightning_gradcomp.hook import bytes_per_compressed_step
 from lightning_gradcomp.torch_ddp import destroy_process_group
 
 
@@ -56,10 +57,9 @@ def main(argv: list[str] | None = None) -> float:
     correct, seen = fabric.all_reduce(counts, reduce_op="sum").tolist()
     accuracy = correct / seen
     hook = getattr(fabric.strategy, "gradcomp_hook", None)
-    steps = [s for s in hook.history if s.compressed] if hook is not None else []
-    if steps:
-        sent = sum(s.bytes_sent for s in steps) / len(steps)
-        dense = sum(s.dense_bytes for s in steps) / len(steps)
+    per_step = bytes_per_compressed_step(hook.history) if hook is not None else None
+    if per_step is not None:
+        sent, dense = per_step
         fabric.print(f"{args.strategy}: val_acc {accuracy:.4f}; bytes sent per step {sent:,.0f} (dense {dense:,.0f})")
     else:
         fabric.print(f"{args.strategy}: val_acc {accuracy:.4f} (no compressed step)")

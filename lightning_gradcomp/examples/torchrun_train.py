@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
 from lightning_gradcomp.examples.teacher import teacher_dataset
+from lightning_gradcomp.hook import bytes_per_compressed_step
 from lightning_gradcomp.torch_ddp import destroy_process_group
 
 
@@ -79,9 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     val = teacher_dataset(2048, 64, 10, seed=0)
     with torch.no_grad():
         accuracy = float((model(val.tensors[0].to(device)).argmax(dim=1).cpu() == val.tensors[1]).float().mean())
-    compressed = [s for s in hook.history if s.compressed]
-    sent = sum(s.bytes_sent for s in compressed) / max(1, len(compressed))
-    dense = sum(s.dense_bytes for s in compressed) / max(1, len(compressed))
+    sent, dense = bytes_per_compressed_step(hook.history) or (0.0, 0.0)
     if rank == 0:
         print(f"{args.preset}: step {step}, val_acc {accuracy:.4f}; bytes sent per step {sent:,.0f} "
               f"(dense {dense:,.0f})")  # fmt: skip
