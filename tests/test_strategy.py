@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ from lightning_gradcomp.checkpoint import ShardError
 from lightning_gradcomp.compressors import TernGradCompressor
 from lightning_gradcomp.presets import PRESET_DENSITY_WARMUP_STEPS
 from lightning_gradcomp.schedule import DensityWarmup
+from lightning_gradcomp.settings import SETTINGS, CompressionSettings
 
 
 @pytest.mark.parametrize(
@@ -179,3 +181,13 @@ def test_presets_warm_up_the_top_k_family_and_keep_the_logits_layer_dense() -> N
         if sparsifier:
             assert strategy.density_warmup.target == strategy.compressor.density
             assert strategy.density_warmup.steps == PRESET_DENSITY_WARMUP_STEPS
+
+
+def test_the_strategy_spells_out_the_settings_as_compression_settings_takes_them() -> None:
+    """GradCompStrategy repeats the settings in its signature (LightningCLI reads types, defaults and help from
+    it); the two must not drift."""
+    strategy = list(inspect.signature(GradCompStrategy.__init__).parameters.values())[1 : 1 + len(SETTINGS)]
+    settings = list(inspect.signature(CompressionSettings.__init__).parameters.values())[1:]
+    assert [(p.name, p.default, p.annotation) for p in strategy] == [
+        (p.name, p.default, p.annotation) for p in settings
+    ]
