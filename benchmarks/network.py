@@ -139,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(tx)
         if rank == 0:
             print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
-        timed = [s for s in hook.history if s.compressed][-args.steps :] if hook is not None else []
+        timed = [s for s in hook.history if not s.warmup][-args.steps :] if hook is not None else []
         results.append(
             Result(
                 method,

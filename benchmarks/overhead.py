@@ -96,7 +96,7 @@ def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: in
         best = min(best, (time.perf_counter() - start) / args.steps)
     row = {"method": method, "ms_per_step": 1e3 * best, "peak_rss_mib": _kib("VmHWM") / 1024}
     if hook is not None:
-        timed = [s for s in hook.history if s.compressed][-args.steps * args.repeats :]
+        timed = [s for s in hook.history if not s.warmup][-args.steps * args.repeats :]
         for part in ("compress", "communicate", "decompress"):
             row[part] = 1e3 * sum(getattr(s, f"seconds_{part}") for s in timed) / max(1, len(timed))
         row["bytes_sent"] = sum(s.bytes_sent for s in timed) / max(1, len(timed))

@@ -287,7 +287,7 @@ def measure_size(model_name: str, width: int, steps: int, batch: int, rounds: in
                                       "payload_bytes_per_element": 4.0, "compressed_fraction": 1.0,
                                       "units": 1}  # fmt: skip
             continue
-        stats = [s for s in hook.history if s.compressed][-1]
+        stats = [s for s in hook.history if not s.warmup][-1]
         compressed, dense_per_element = stats.numel_compressed, stats.dense_bytes / stats.numel
         x = torch.randn(compressed or stats.numel, generator=gen)
         payload = hook.compressor.compress(x)

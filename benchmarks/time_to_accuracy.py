@@ -119,7 +119,7 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
         optimizer.step()
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, _accuracy(model, val, rank, world)))
-    compressed = [s for s in hook.history if s.compressed] if hook is not None else []
+    compressed = [s for s in hook.history if not s.warmup] if hook is not None else []
     return {
         "curve": curve,
         "final": curve[-1][1],

@@ -82,7 +82,7 @@ def _measure(model_name: str, strategy_name: str, world: int, steps: int) -> dic
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     if strategy is None:
         return {"sent": dense, "received": dense, "dense": dense, "limit": dense}
-    compressed = [s for s in hook.history if s.compressed]
+    compressed = [s for s in hook.history if not s.warmup]
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     return {
         "sent": mean([s.bytes_sent for s in compressed]),

@@ -15,8 +15,6 @@ that never stopped. The per-step statistics are ``strategy.gradcomp_hook.history
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -32,7 +30,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.checkpoint import CHECKPOINT_KEY
 from lightning_gradcomp.presets import register_presets
-from lightning_gradcomp.settings import SETTINGS, CompressionSettings, refuse_density_schedule, split_settings
+from lightning_gradcomp.settings import CompressionSettings, check_ddp_keywords, refuse_density_schedule, split_settings
 
 
 class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
@@ -59,14 +57,7 @@ class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         settings, ddp_kwargs = split_settings(kwargs)
-        unknown = sorted(set(ddp_kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
-        if unknown:
-            close = {name: difflib.get_close_matches(name, SETTINGS, n=1) for name in unknown}
-            hints = "; ".join(f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match)
-            raise ValueError(
-                f"GradCompFabricStrategy got unknown arguments {unknown}: neither compression settings "
-                f"{sorted(SETTINGS)} nor DistributedDataParallel keywords{f' ({hints})' if hints else ''}"
-            )
+        check_ddp_keywords("GradCompFabricStrategy", ddp_kwargs)
         refuse_density_schedule(settings.pop("density_schedule", None), "a Fabric loop")
         CompressionSettings.__init__(self, **settings)
         #: bounds the collectives of the node groups that ``hierarchy="node"`` creates, as the world's

@@ -76,9 +76,14 @@ __all__ = ["GRANULARITIES", "Capture", "GradCompHook", "LayerStats", "StepStats"
 class StepStats:
     """What one optimizer step's gradient exchange cost on this rank.
 
+    ``warmup``: the step was one of the dense warm-up steps (averaged as DDP does). ``compressed``:
+    the step's gradients went through the compression pipeline (memory, compressor, aggregator);
+    a step past the warm-up that is not compressed is the dense baseline's (identity compressor,
+    no memory), which is DDP's own allreduce.
     ``dense_bytes`` is what plain DDP hands to allreduce for the same buckets; ``bytes_sent`` what
     this hook handed to collectives (padding and size exchanges included), so
-    ``compression_ratio = dense_bytes / bytes_sent`` is measured, not computed from a formula.
+    ``compression_ratio = dense_bytes / bytes_sent`` is measured, not computed from a formula;
+    ``bytes_sent_by_dtype`` splits it by the element type the collectives carried.
     Under ``hierarchy="node"`` the dense sums and shares inside the node are counted apart, in
     ``bytes_sent_intra_node`` / ``bytes_received_intra_node``: ``bytes_sent`` is then what this rank
     handed to collectives between nodes.
@@ -89,6 +94,7 @@ class StepStats:
 
     step: int
     compressed: bool = False
+    warmup: bool = False
     buckets: int = 0
     numel: int = 0
     numel_compressed: int = 0
@@ -98,6 +104,7 @@ class StepStats:
     bytes_received: int = 0
     bytes_sent_intra_node: int = 0
     bytes_received_intra_node: int = 0
+    bytes_sent_by_dtype: dict[str, int] = field(default_factory=dict)
     collectives: int = 0
     seconds_compress: float = 0.0
     seconds_communicate: float = 0.0
@@ -124,8 +131,8 @@ class StepStats:
 
 
 def bytes_per_compressed_step(history: Iterable[StepStats]) -> tuple[float, float] | None:
-    """Mean ``(bytes_sent, dense_bytes)`` over the compressed steps of ``history`` (the dense warm-up steps
-    left out); ``None`` when no step was compressed."""
+    """Mean ``(bytes_sent, dense_bytes)`` over the compressed steps of ``history`` (dense steps, of the
+    warm-up or of the dense baseline, left out); ``None`` when no step was compressed."""
     compressed = [s for s in history if s.compressed]
     if not compressed:
         return None
@@ -294,7 +301,8 @@ class GradCompHook:
             self.counter.reset()
             if self.topology.intra_counter is not None:
                 self.topology.intra_counter.reset()
-            self._current = StepStats(step=self.step, compressed=self.compressing)
+            warmup = not self.compressing
+            self._current = StepStats(step=self.step, compressed=not warmup and not self._dense_only, warmup=warmup)
             if self.density_warmup is not None and self._current.compressed:
                 self.compressor.density = self.density_warmup.density(self.step - self.warmup_steps)
         stats = self._current
@@ -303,7 +311,7 @@ class GradCompHook:
         stats.dense_bytes += buffer.numel() * buffer.element_size()
         self.calls += 1
 
-        if stats.compressed and not self._dense_only:
+        if stats.compressed:
             future: torch.futures.Future[Tensor] = torch.futures.Future()
             grads = [g.reshape(-1) for g in bucket.gradients()]
             ready = self._assembler.deliver(self._bucket_names(bucket), grads, future, buffer)
@@ -478,6 +486,7 @@ class GradCompHook:
         stats.bytes_sent = self.counter.bytes_sent
         stats.bytes_received = self.counter.bytes_received
         stats.collectives = self.counter.calls
+        stats.bytes_sent_by_dtype = dict(self.counter.sent_by_dtype)
         if self.topology.intra_counter is not None:
             stats.bytes_sent_intra_node = self.topology.intra_counter.bytes_sent
             stats.bytes_received_intra_node = self.topology.intra_counter.bytes_received

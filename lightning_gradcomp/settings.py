@@ -9,6 +9,7 @@ checks at setup that every rank was configured alike, installs the hook on a
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import inspect
 import uuid
@@ -30,6 +31,19 @@ from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_m
 from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
 from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_number
+
+
+def check_ddp_keywords(owner: str, keywords: Iterable[str]) -> None:
+    """Refuse ``keywords`` that are not ``DistributedDataParallel``'s (where the strategies pass them on), naming
+    each with the compression setting it was probably meant to be: a misspelt setting fails here, not inside DDP."""
+    unknown = sorted(set(keywords) - set(inspect.signature(DistributedDataParallel).parameters))
+    if unknown:
+        close = {name: difflib.get_close_matches(name, SETTINGS, n=1) for name in unknown}
+        hints = "; ".join(f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match)
+        raise ValueError(
+            f"{owner} got unknown arguments {unknown}: neither compression settings {sorted(SETTINGS)} nor "
+            f"DistributedDataParallel keywords{f' ({hints})' if hints else ''}"
+        )
 
 
 def refuse_density_schedule(density_schedule: Sequence[float] | None, where: str) -> None:

@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, remove_shards
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.presets import register_presets
-from lightning_gradcomp.settings import SETTINGS, CompressionSettings
+from lightning_gradcomp.settings import SETTINGS, CompressionSettings, check_ddp_keywords
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB
 
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -131,6 +131,7 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
             raise ValueError(f"GradCompStrategy installs its own communication hook; do not pass {owned}")
         for key in _OWNED_DDP_ARGUMENTS:  # config parsers pass DDPStrategy's defaults (None) explicitly
             kwargs.pop(key, None)
+        check_ddp_keywords("GradCompStrategy", kwargs)
         arguments = locals()
         CompressionSettings.__init__(self, **{name: arguments[name] for name in SETTINGS})
         #: bounds the collectives of the node groups that ``hierarchy="node"`` creates, as the world's

@@ -1,5 +1,22 @@
 """Session fixtures several test modules share: the launches of multi-case workers, the real MNIST files and
-the fits trained on them."""
+the fits trained on them.
+
+The suite's rules (each test should fail with the behaviour its name claims broken, and say in a line what
+broken behaviour it catches where that is not obvious):
+
+* **Every rank's outcome is asserted.** A multi-process test checks what each rank returned (``run_ranks``
+  raises on any rank's exception; a worker that catches per case or per job hands every rank's outcome
+  back), never rank 0's alone: a failure on rank 1 only must fail the test.
+* **Tolerances come from variances.** A statistical check compares with the exact mean (or bound) within
+  ``Z_LIMIT`` standard errors derived from the exact or measured variance, at the false-alarm rate stated in
+  ``test_terngrad.py`` (``FALSE_ALARM``); never a hand-picked ``rel=0.05`` or a bound far above the value.
+  Float comparisons are bit for bit where the arithmetic is the same, else within what the stated cause
+  (a summation order, a rounding) can explain.
+* **No skip on a misspelling.** A test skips only for something absent from the machine (the MNIST files,
+  an optional package, a GPU); an unknown or misspelt name in a recipe or an argument fails.
+* **Shortcuts are not the path under test.** Where the code has a fast path (the dense baseline's own
+  allreduce), a test of the general path forces it and asserts that it ran (``StepStats.compressed``).
+"""
 
 from __future__ import annotations
 

@@ -83,11 +83,22 @@ def _identity_and_plain_ddp(rank: int, world_size: int) -> dict[str, Any]:
     fabric, model, optimizer = _fabric(DDPStrategy(bucket_cap_mb=0.005), world_size)
     _train(fabric, model, optimizer, rank, range(STEPS))
     plain = _weights(model)
-    identity = GradCompFabricStrategy(compressor="none", memory="none", aggregator="allreduce", bucket_cap_mb=0.005)
-    fabric, model, optimizer = _fabric(identity, world_size)
-    _train(fabric, model, optimizer, rank, range(STEPS))
-    hook = model._forward_module._get_ddp_logging_data().get("comm_hook")
-    return {"ddp": plain, "identity": _weights(model), "comm_hook": hook, "steps": len(identity.gradcomp_hook.history)}
+    out: dict[str, Any] = {"ddp": plain}
+    # without memory: the hook's shortcut to DDP's own allreduce; with error feedback: the full pipeline
+    for label, memory in (("identity", "none"), ("pipeline", "ef")):
+        identity = GradCompFabricStrategy(
+            compressor="none", memory=memory, aggregator="allreduce", warmup_steps=0, bucket_cap_mb=0.005
+        )
+        fabric, model, optimizer = _fabric(identity, world_size)
+        _train(fabric, model, optimizer, rank, range(STEPS))
+        history = identity.gradcomp_hook.history
+        out[label] = {
+            "weights": _weights(model),
+            "comm_hook": model._forward_module._get_ddp_logging_data().get("comm_hook"),
+            "steps": len(history),
+            "compressed_steps": sum(s.compressed for s in history),
+        }
+    return out
 
 
 def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
@@ -168,8 +179,18 @@ def test_the_identity_compressor_gives_fabrics_plain_ddp_weights_bit_for_bit(
     world_size: int, every_rank: EveryRank
 ) -> None:
     for result in every_rank(world_size, "identity and ddp"):
-        assert result["comm_hook"] == "gradcomp_comm_hook" and result["steps"] == STEPS  # through our hook
-        assert torch.equal(result["identity"], result["ddp"])
+        shortcut, pipeline = result["identity"], result["pipeline"]
+        for ours in (shortcut, pipeline):
+            assert ours["comm_hook"] == "gradcomp_comm_hook" and ours["steps"] == STEPS  # through our hook
+        # without memory, DDP's own allreduce of the same buckets (the shortcut): bit for bit at any world size
+        assert shortcut["compressed_steps"] == 0 and torch.equal(shortcut["weights"], result["ddp"])
+        # with error feedback, every step through the pipeline (catches: one that loses or mis-scales a unit);
+        # a sum of two in any order is exact, gloo's ring adds three in an order set by where a unit's chunks begin
+        assert pipeline["compressed_steps"] == STEPS
+        if world_size == 2:
+            assert torch.equal(pipeline["weights"], result["ddp"])
+        else:
+            torch.testing.assert_close(pipeline["weights"], result["ddp"], rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

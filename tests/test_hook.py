@@ -128,6 +128,7 @@ def test_error_feedback_sent_plus_residual_is_grad_plus_old_residual(
             assert all(numel == 2304 for numel, _ in r["counts"])  # one unit: both weights, whatever the buckets
         history = r["history"]
         assert len(history) == STEPS and not history[0].compressed and all(s.compressed for s in history[1:])
+        assert history[0].warmup and not any(s.warmup for s in history[1:])
         assert history[-1].buckets == 2  # rebuilt buckets (1296 and 8192 bytes): each went through the hook
         for s in history[1:]:
             assert s.numel_compressed == 2048 + 256

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -24,37 +25,76 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _dense_vs_plain_ddp(rank: int, world_size: int) -> dict:
+    """Plain DDP; the identity compressor without memory (the hook's shortcut to DDP's own allreduce); and the
+    identity compressor with error feedback, which takes the full pipeline (units, memory, compressor, aggregator)."""
     plain, _ = fit(DDPStrategy(timeout=TIMEOUT), world_size, STEPS)
-    strategy = GradCompStrategy(
-        compressor="none",
-        memory="none",
-        aggregator="allreduce",
-        warmup_steps=0,
-        min_compress_numel=256,
-        timeout=TIMEOUT,
-    )
-    ours, trainer = fit(strategy, world_size, STEPS)
-    hook = trainer.strategy.gradcomp_hook
-    return {
-        "plain": _weights(plain),
-        "ours": _weights(ours),
-        "calls": hook.calls,
-        "steps": hook.step,
-        "compressed_steps": sum(s.compressed for s in hook.history),
-    }
+    out = {"plain": _weights(plain)}
+    for label, memory in (("shortcut", "none"), ("pipeline", "ef")):
+        strategy = GradCompStrategy(
+            compressor="none",
+            memory=memory,
+            aggregator="allreduce",
+            warmup_steps=0,
+            min_compress_numel=256,
+            timeout=TIMEOUT,
+        )
+        ours, trainer = fit(strategy, world_size, STEPS)
+        hook = trainer.strategy.gradcomp_hook
+        out[label] = {
+            "weights": _weights(ours),
+            "calls": hook.calls,
+            "steps": hook.step,
+            "compressed_steps": sum(s.compressed for s in hook.history),
+            "warmup_steps": sum(s.warmup for s in hook.history),
+            "residuals": [r.clone() for r in hook.memory.state_dict().values()],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense_runs() -> Callable[[int], list[dict]]:
+    """``dense_runs(world_size)``: :func:`_dense_vs_plain_ddp` on every rank, launched once per world size."""
+    launched: dict[int, list[dict]] = {}
+
+    def runs(world_size: int) -> list[dict]:
+        if world_size not in launched:
+            launched[world_size] = run_ranks(_dense_vs_plain_ddp, world_size, init=False)
+        return launched[world_size]
+
+    return runs
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_identity_compressor_matches_plain_ddp_bit_for_bit(world_size: int) -> None:
-    results = run_ranks(_dense_vs_plain_ddp, world_size, init=False)
+def test_the_dense_baseline_is_plain_ddp_bit_for_bit_through_its_shortcut(world_size: int, dense_runs) -> None:
+    """The identity compressor without memory hands each bucket to DDP's own scaled allreduce."""
+    results = dense_runs(world_size)
     for rank, r in enumerate(results):
-        assert r["steps"] == STEPS and r["compressed_steps"] == STEPS
-        assert r["calls"] >= STEPS
-        assert r["plain"].keys() == r["ours"].keys()
+        ours = r["shortcut"]
+        # every step past the warm-up, none through the pipeline: the shortcut, as StepStats tells
+        assert ours["steps"] == STEPS and ours["warmup_steps"] == 0 and ours["compressed_steps"] == 0
+        assert ours["calls"] >= STEPS
+        assert r["plain"].keys() == ours["weights"].keys()
         for name in r["plain"]:
-            assert torch.equal(r["plain"][name], r["ours"][name]), f"rank {rank}: {name} differs from plain DDP"
+            assert torch.equal(r["plain"][name], ours["weights"][name]), f"rank {rank}: {name} differs from plain DDP"
         # the weights really moved, and every rank holds the same model
-        assert torch.equal(r["ours"]["net.0.weight"], results[0]["ours"]["net.0.weight"])
+        assert torch.equal(ours["weights"]["net.0.weight"], results[0]["shortcut"]["weights"]["net.0.weight"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_identity_compressor_through_the_full_pipeline_is_plain_ddp(world_size: int, dense_runs) -> None:
+    """Catches: a pipeline that loses, mis-scales or mixes up units (the shortcut above never runs it)."""
+    results = dense_runs(world_size)
+    for rank, r in enumerate(results):
+        ours = r["pipeline"]
+        assert ours["steps"] == STEPS and ours["compressed_steps"] == STEPS  # every step through the pipeline
+        # error feedback of an identity: what was sent is what was compensated, the residual exactly zero
+        assert ours["residuals"] and all(not residual.any() for residual in ours["residuals"])
+        for name in r["plain"]:
+            if world_size == 2:  # a sum of two is the same in any order: the pipeline is DDP bit for bit
+                assert torch.equal(r["plain"][name], ours["weights"][name]), f"rank {rank}: {name}"
+            else:  # gloo's ring sums a unit's chunks starting from other ranks than DDP's bucket: 4 terms reordered
+                torch.testing.assert_close(ours["weights"][name], r["plain"][name], rtol=0, atol=1e-7)
+            assert torch.equal(ours["weights"][name], results[0]["pipeline"]["weights"][name])
 
 
 class AttachedHookName(Callback):

@@ -68,7 +68,7 @@ class Collectives:
         """Launch the in-place reduction of ``tensor``; ``wait()`` returns the reduced tensor."""
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         nbytes = tensor.numel() * tensor.element_size()
-        self.counter.record(nbytes, nbytes, 0.0)
+        self.counter.record(nbytes, nbytes, 0.0, dtype_name(tensor))
         return InFlight(work, tensor, self.counter, _same)
 
     def all_reduce_async(self, tensor: Tensor) -> torch.futures.Future[Tensor]:
@@ -79,7 +79,7 @@ class Collectives:
         """
         nbytes = tensor.numel() * tensor.element_size()
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        self.counter.record(nbytes, nbytes, 0.0)
+        self.counter.record(nbytes, nbytes, 0.0, dtype_name(tensor))
         return work.get_future().then(lambda done: done.value()[0])
 
     def all_gather(self, tensor: Tensor) -> Tensor:
@@ -93,7 +93,8 @@ class Collectives:
         """Launch :meth:`all_gather`; ``wait()`` returns the ``(world_size, numel)`` rows."""
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         work = _all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
-        self.counter.record(tensor.numel() * tensor.element_size(), out.numel() * out.element_size(), 0.0)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.counter.record(nbytes, out.numel() * out.element_size(), 0.0, dtype_name(tensor))
         numel = tensor.numel()
         return InFlight(work, out, self.counter, lambda rows: rows.view(self.world_size, numel))
 
@@ -122,6 +123,11 @@ class Collectives:
             buffer = padded
         known = list(sizes)
         return self.all_gather_start(buffer).then(lambda rows: [row[: known[r]] for r, row in enumerate(rows)])
+
+
+def dtype_name(tensor: Tensor) -> str:
+    """The element type's name as the counter records it: ``"float16"`` for ``torch.float16``."""
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _same(tensor: Tensor) -> Tensor:

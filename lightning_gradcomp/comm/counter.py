@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,21 +11,27 @@ class CommCounter:
 
     ``sent`` is the size of the input tensors, padding included; ``received`` the size of the
     output tensors. Neither is a formula: both are read off the tensors given to torch.distributed.
+    ``sent_by_dtype`` splits ``sent`` by the element type the collectives carried (``"float16"``,
+    ``"uint8"`` for packed payloads, ...): what crossed the wire, not what a payload declares.
     """
 
     bytes_sent: int = 0
     bytes_received: int = 0
     calls: int = 0
     seconds: float = 0.0
+    sent_by_dtype: dict[str, int] = field(default_factory=dict)
 
-    def record(self, sent: int, received: int, seconds: float) -> None:
-        """Add one collective call."""
+    def record(self, sent: int, received: int, seconds: float, dtype: str = "uint8") -> None:
+        """Add one collective call that carried elements of ``dtype`` (a name: ``"float32"``, ``"uint8"``)."""
         self.bytes_sent += sent
         self.bytes_received += received
         self.calls += 1
         self.seconds += seconds
+        if sent:
+            self.sent_by_dtype[dtype] = self.sent_by_dtype.get(dtype, 0) + sent
 
     def reset(self) -> None:
         """Zero every count (the hook does this at the start of each step)."""
         self.bytes_sent = self.bytes_received = self.calls = 0
         self.seconds = 0.0
+        self.sent_by_dtype = {}
