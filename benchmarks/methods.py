@@ -26,7 +26,9 @@ OURS = (
     "ddp_fp16",
     "ddp_bf16",
 )
-TORCH_METHODS = ("dense", "fp16", "powersgd")
+TORCH_METHODS = ("dense", "fp16", "powersgd", "powersgd:start-10pct")
+#: PyTorch's advice for ``start_powerSGD_iter``: "start with 10% of total training steps" (powerSGD_hook.py).
+POWERSGD_DOCUMENTED_START = 0.1
 #: ``name -> (named strategy, arguments that replace the preset's)``.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # the Top-k presets before issue 14: density 0.001 from the first compressed step, logits compressed
@@ -62,6 +64,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         f"{preset}:node{suffix}": (preset, {"hierarchy": "node", "hierarchy_scheme": scheme})
         for preset in ("ddp_gradcomp_dense", "ddp_topk", "ddp_gtopk", "ddp_terngrad")
         for suffix, scheme in (("", "sharded"), ("-leader", "leader"))
+    },
+    # Accordion (issue 31) in place of the fixed warm-ups: the critical regimes at ten times the density (the
+    # default), or at other densities, or dense
+    **{
+        f"{preset}:accordion{suffix}": (
+            preset,
+            {"density_warmup_steps": 0, "adaptive": "accordion", "adaptive_kwargs": kwargs},
+        )
+        for preset in ("ddp_topk", "ddp_gaussiank", "ddp_gtopk")
+        for suffix, kwargs in (
+            ("", {}),
+            ("-i25", {"interval": 25}),
+            ("-c04", {"critical_density": 0.04}),
+            ("-dense", {"critical_density": None}),
+        )
+    },
+    **{
+        f"{preset}:accordion{suffix}": (preset, {"warmup_steps": 1, "adaptive": "accordion", "adaptive_kwargs": kwargs})
+        for preset in ("ddp_terngrad", "ddp_powersgd", "ddp_atomo", "ddp_diana", "ddp_efsign")
+        for suffix, kwargs in (("", {}), ("-i25", {"interval": 25}))
     },
     # PowerSGD compressed from step 2 on, as the PyTorch peer here is (start_powerSGD_iter=2): for timing side by side
     "ddp_powersgd:start-2": ("ddp_powersgd", {"warmup_steps": 2}),
@@ -119,11 +141,18 @@ def completed(hook):
     return completed_hook
 
 
-def attach(method: str, ddp, model, seed: int = 0, overrides: dict[str, Any] | None = None):
+def powersgd_start(method: str, steps: int) -> int:
+    """``start_powerSGD_iter`` of PyTorch's PowerSGD ``method`` in a run of ``steps``: 2 (compressed from the second
+    step, the fastest it allows), or 10% of the run, as its documentation advises."""
+    return max(2, round(POWERSGD_DOCUMENTED_START * steps)) if method == "powersgd:start-10pct" else 2
+
+
+def attach(method: str, ddp, model, seed: int = 0, overrides: dict[str, Any] | None = None, steps: int = 0):
     """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None.
 
     ``seed`` seeds the method's random draws (our hooks' streams, PowerSGD's initial Q);
-    ``overrides`` replace our methods' strategy arguments (e.g. :data:`AFTER_WARMUPS`).
+    ``overrides`` replace our methods' strategy arguments (e.g. :data:`AFTER_WARMUPS`); ``steps``, the length
+    of the run, sets ``powersgd:start-10pct``'s dense start.
     """
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
     import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
@@ -136,9 +165,10 @@ def attach(method: str, ddp, model, seed: int = 0, overrides: dict[str, Any] | N
     if method == "fp16":
         ddp.register_comm_hook(None, completed(default_hooks.fp16_compress_hook))
         return None
-    if method == "powersgd":
+    if method.startswith("powersgd"):
+        start = powersgd_start(method, steps)
         state = powersgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=seed
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=start, random_seed=seed
         )
         ddp.register_comm_hook(state, completed(powersgd.powerSGD_hook))
         return None

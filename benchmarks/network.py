@@ -70,6 +70,9 @@ class Result:
     density_warmup_steps: int = 0
     warmup_seconds_per_step: float | None = None
     dense_steps: int = 1
+    #: under Accordion (``adaptive="accordion"``), the steady seconds per step of its critical regime (compressed
+    #: less, or dense); ``seconds_per_step`` is then its relaxed regime's
+    critical_seconds_per_step: float | None = None
     #: bytes this rank handed to collectives inside its node (``hierarchy="node"``), per timed step
     bytes_sent_intra_node_per_step: float | None = None
     #: bytes every node's link to the others transmitted per timed step, summed over nodes
@@ -96,6 +99,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_gradcomp.adaptive import Accordion
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -126,12 +131,20 @@ def worker(args: argparse.Namespace) -> None:
             return time.perf_counter() - start
 
         # dense steps and a density warm-up are timed on their own, then the steady state
-        density_warmup = hook.density_warmup.steps if hook is not None and hook.density_warmup is not None else 0
-        dense_steps = hook.warmup_steps if hook is not None else 1
+        schedule = hook.schedule if hook is not None else None
+        density_warmup = getattr(getattr(schedule, "density_warmup", None), "steps", 0)
+        dense_steps = schedule.warmup_steps if schedule is not None else 1
         early = dense_steps + density_warmup
         warmup_seconds = run(0, early) / early if early > 1 else None
         untimed = 0 if early > 1 else args.warmup
         run(early, untimed)
+        critical_seconds = None
+        if isinstance(schedule, Accordion):  # each regime's steady state, the regime held for the timed steps
+            schedule.interval, schedule.critical = 10**9, True
+            run(early + untimed, args.warmup)
+            critical_seconds = run(early + untimed, args.steps) / args.steps
+            schedule.critical = False
+            run(early + untimed, args.warmup)
         tx_before = _link_tx_bytes()
         elapsed = run(early + untimed, args.steps)
         # every rank of a node reads the same link: count each node's once, at its local rank 0
@@ -155,6 +168,7 @@ def worker(args: argparse.Namespace) -> None:
                 density_warmup_steps=density_warmup,
                 warmup_seconds_per_step=warmup_seconds,
                 dense_steps=dense_steps,
+                critical_seconds_per_step=critical_seconds,
             )
         )
     if rank == 0:

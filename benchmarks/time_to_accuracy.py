@@ -41,7 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from methods import DEFAULT_METHODS, VARIANTS, attach, check_methods
+from methods import DEFAULT_METHODS, VARIANTS, attach, check_methods, powersgd_start
 from paired import paired_difference, verdict
 from workloads import MODELS, build_model
 
@@ -109,24 +109,43 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     torch.manual_seed(seed)
     model = build_model(args.model)
     ddp = DistributedDataParallel(model)
-    hook = attach(method, ddp, model, seed=seed)
+    hook = attach(method, ddp, model, seed=seed, steps=args.steps)
     optimizer = torch.optim.SGD(_parameter_groups(model, hook, args.momentum), lr=args.lr)
+    # linear learning-rate warm-up (Goyal et al., 2017, Sec. 2.2): 0 -> lr over the first --lr-warmup steps
+    warmup = max(args.lr_warmup, 0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0)
     curve, start = [], time.perf_counter()
     for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
         mine = indices[rank * args.batch : (rank + 1) * args.batch]
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(train_x[mine]), train_y[mine]).backward()
         optimizer.step()
+        schedule.step()
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, _accuracy(model, val, rank, world)))
     compressed = [s for s in hook.history if not s.warmup] if hook is not None else []
     return {
         "curve": curve,
+        "phases": phases(hook.history) if hook is not None else None,
         "final": curve[-1][1],
         "seconds": time.perf_counter() - start,
         "bytes_sent_per_step": statistics.mean(s.bytes_sent for s in compressed) if compressed else None,
         "dense_bytes_per_step": statistics.mean(s.dense_bytes for s in compressed) if compressed else None,
     }
+
+
+def phases(history) -> list[list]:
+    """The run's steps as consecutive phases ``[regime, compressed, planned density, steps, mean bytes sent]``
+    (``StepStats``' fields): which steps ran at which level, for the time model and the decisions' plot."""
+    out: list[list] = []
+    for s in history:
+        key = [s.regime, s.compressed, s.planned_density]
+        if out and out[-1][:3] == key:
+            out[-1][4] += (s.bytes_sent - out[-1][4]) / (out[-1][3] + 1)
+            out[-1][3] += 1
+        else:
+            out.append([*key, 1, float(s.bytes_sent)])
+    return out
 
 
 def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -> None:
@@ -141,7 +160,7 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
     failure = None
     try:
         data = _mnist(args.data_dir, args.holdout)
-        settings = ("model", "ranks", "batch", "lr", "momentum", "steps", "eval_every", "seeds")
+        settings = ("model", "ranks", "batch", "lr", "lr_warmup", "momentum", "steps", "eval_every", "seeds")
         report: dict[str, Any] = {key: getattr(args, key) for key in settings}
         report["holdout"], report["runs"] = args.holdout, {}
         for seed in args.seeds:
@@ -180,21 +199,36 @@ def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None
     return next((step for step, accuracy in curve if accuracy >= target), None)
 
 
-def elapsed_seconds(measured: dict, steps: int) -> float:
+def elapsed_seconds(measured: dict, steps: int, phases: list[list] | None = None) -> float:
     """Wall-clock seconds of a method's first ``steps`` steps from network.py's row ``measured``.
 
     ``steps * s/step``, except that a method with dense steps or a density warm-up spends its first
-    ``D + W`` steps (``D`` dense, then the warm-up; they send more) at their own measured mean.
+    ``D + W`` steps (``D`` dense, then the warm-up; they send more) at their own measured mean, and
+    that under Accordion each step takes its regime's time: the run's ``phases`` (:func:`phases`) say
+    which steps were critical, timed at ``critical_seconds_per_step``, the others at ``seconds_per_step``.
     """
+    if phases is not None and measured.get("critical_seconds_per_step"):
+        total, left = 0.0, steps
+        for regime, _, _, count, _ in phases:
+            taken = min(left, count)
+            rate = measured["critical_seconds_per_step"] if regime == "critical" else measured["seconds_per_step"]
+            total, left = total + taken * rate, left - taken
+        return total + left * measured["seconds_per_step"]
     early = measured.get("dense_steps", 1) + measured.get("density_warmup_steps", 0)
     phase = early if measured.get("warmup_seconds_per_step") else 0
     early = min(steps, phase)
     return early * (measured.get("warmup_seconds_per_step") or 0.0) + (steps - early) * measured["seconds_per_step"]
 
 
-def measurements(network: dict, rate: str) -> dict[str, dict]:
-    """``method -> network.py's row`` on ``rate``, for the methods it timed."""
-    return {r["method"]: r for r in network["rates"][rate] if r["seconds_per_step"]}
+def measurements(network: dict, rate: str, steps: int) -> dict[str, dict]:
+    """``method -> network.py's row`` on ``rate``, for the methods it timed; ``powersgd:start-10pct`` (the same
+    steady state as ``powersgd``, dense for its first 10% of ``steps``) from the rows of both."""
+    rows = {r["method"]: r for r in network["rates"][rate] if r["seconds_per_step"]}
+    if "powersgd" in rows and "dense" in rows:
+        start = powersgd_start("powersgd:start-10pct", steps)
+        rows["powersgd:start-10pct"] = {**rows["powersgd"], "method": "powersgd:start-10pct", "dense_steps": start,
+                                        "warmup_seconds_per_step": rows["dense"]["seconds_per_step"]}  # fmt: skip
+    return rows
 
 
 def check_same_setting(curves: dict, network: dict) -> None:
@@ -231,13 +265,14 @@ def time_to_target(curves: dict, network: dict, rate: str, targets: dict[str, fl
     are over seeds, ``None`` unless every seed reached the target (a mean over the lucky seeds would
     flatter a method).
     """
-    measured = measurements(network, rate)
+    measured = measurements(network, rate, curves["steps"])
     table = {}
     for method, runs in curves["runs"].items():
         if method not in measured:
             continue
         steps = {seed: steps_to_target(run["curve"], targets[seed]) for seed, run in runs.items()}
-        seconds = {seed: None if s is None else elapsed_seconds(measured[method], s) for seed, s in steps.items()}
+        seconds = {seed: None if s is None else elapsed_seconds(measured[method], s, runs[seed].get("phases"))
+                   for seed, s in steps.items()}  # fmt: skip
         reached = [s for s in seconds.values() if s is not None]
         table[method] = {
             "seconds_per_step": measured[method]["seconds_per_step"],
@@ -383,17 +418,19 @@ def plot(curves: dict, network: dict, targets: list[float], path: str, loopback:
     methods = [m for m in curves["runs"] if ":" not in m]
     colors = dict(zip(methods, plt.get_cmap("tab20").colors, strict=False))
     for ax, rate in zip(axes[0], rates, strict=True):
-        measured = measurements(network, rate)
+        measured = measurements(network, rate, curves["steps"])
         for method in methods:
             runs = curves["runs"][method]
             if method not in measured:
                 continue
             by_step: dict[int, list[float]] = {}
+            seconds: dict[int, list[float]] = {}
             for run in runs.values():
                 for step, accuracy in run["curve"]:
                     by_step.setdefault(step, []).append(accuracy)
+                    seconds.setdefault(step, []).append(elapsed_seconds(measured[method], step, run.get("phases")))
             steps = sorted(by_step)
-            ax.plot([elapsed_seconds(measured[method], s) for s in steps], [statistics.mean(by_step[s]) for s in steps],
+            ax.plot([statistics.mean(seconds[s]) for s in steps], [statistics.mean(by_step[s]) for s in steps],
                     label=method, linewidth=2.2 if method == "dense" else 1.2,
                     color="black" if method == "dense" else colors[method])  # fmt: skip
         for t in targets:
@@ -424,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-every", type=int, default=20)
     t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--momentum", type=float, default=0.9)
+    t.add_argument("--lr-warmup", type=int, default=0, help="steps of linear learning-rate warm-up from 0")
     t.add_argument("--data-dir", default=str(DEFAULT_DATA))
     t.add_argument("--holdout", type=int, default=2000, help="last images of t10k used for validation")
     t.add_argument("--timeout", type=float, default=600, help="process group timeout, seconds")

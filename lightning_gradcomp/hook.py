@@ -37,10 +37,14 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
    over the node, the other ranks adding zeros). Every bucket whose units are all done has its
    future completed.
 
-During the first ``warmup_steps`` steps the bucket is averaged densely, exactly as DDP does, and so
-is every step of the identity compressor without memory (the dense baseline): on those steps the
-hook *is* DDP, bucket layout included. A density warm-up (:mod:`lightning_gradcomp.schedule`) sets
-a sparsifier's density at the start of each compressed step, from the step counter alone.
+Before the first bucket of each step, the schedule (:mod:`lightning_gradcomp.schedule`) plans the
+step: dense or compressed, and at which density. The default is ``warmup_steps`` dense steps, then
+compressed ones, their density lowered gradually by a density warm-up if one is set, all from the
+step counter alone. An adaptive schedule (:class:`~lightning_gradcomp.adaptive.Accordion`) is handed
+each step's squared norm of this rank's gradient, read off the buckets as they arrive, and decides
+once per interval from the ranks' sums (one collective of two numbers), so every rank plans alike.
+Dense steps, and every step of the identity compressor without memory (the dense baseline), are
+averaged exactly as DDP does: on those steps the hook *is* DDP, bucket layout included.
 
 Non-finite gradients: the average is returned as is (NaN/Inf reach the optimizer exactly as under
 plain DDP, so AMP's GradScaler skips the step), and the memory update of every unit whose average
@@ -64,7 +68,7 @@ from lightning_gradcomp.comm.hierarchy import FlatTopology, NodeTopology
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, all_finite
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
-from lightning_gradcomp.schedule import DensityWarmup
+from lightning_gradcomp.schedule import DensityWarmup, Regime, WarmupSchedule
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
 from lightning_gradcomp.validation import check_choice
 from lightning_gradcomp.warm_start import WarmStarts
@@ -76,10 +80,13 @@ __all__ = ["GRANULARITIES", "Capture", "GradCompHook", "LayerStats", "StepStats"
 class StepStats:
     """What one optimizer step's gradient exchange cost on this rank.
 
-    ``warmup``: the step was one of the dense warm-up steps (averaged as DDP does). ``compressed``:
-    the step's gradients went through the compression pipeline (memory, compressor, aggregator);
-    a step past the warm-up that is not compressed is the dense baseline's (identity compressor,
-    no memory), which is DDP's own allreduce.
+    ``regime``: what the schedule made of the step (``"warmup"``: one of the dense first steps;
+    ``"critical"`` / ``"relaxed"``: an adaptive schedule's regimes; ``"steady"`` otherwise).
+    ``compressed``: the step's gradients went through the compression pipeline (memory, compressor,
+    aggregator); a step that is not compressed was averaged densely, as DDP does (a warm-up step, a
+    critical step of a schedule that averages those densely, or any step of the dense baseline:
+    identity compressor, no memory). ``planned_density``: the density the schedule set for the step
+    (``None`` when it set none; :attr:`density` is what was actually sent).
     ``dense_bytes`` is what plain DDP hands to allreduce for the same buckets; ``bytes_sent`` what
     this hook handed to collectives (padding and size exchanges included), so
     ``compression_ratio = dense_bytes / bytes_sent`` is measured, not computed from a formula;
@@ -94,7 +101,8 @@ class StepStats:
 
     step: int
     compressed: bool = False
-    warmup: bool = False
+    regime: Regime = "steady"
+    planned_density: float | None = None
     buckets: int = 0
     numel: int = 0
     numel_compressed: int = 0
@@ -113,6 +121,11 @@ class StepStats:
     selected: int = 0
     layers: dict[str, "LayerStats"] = field(default_factory=dict)
     captures: dict[str, "Capture"] = field(default_factory=dict)
+
+    @property
+    def warmup(self) -> bool:
+        """Whether the step was one of the dense warm-up steps (averaged as DDP does)."""
+        return self.regime == "warmup"
 
     @property
     def density(self) -> float | None:
@@ -193,6 +206,8 @@ class GradCompHook:
         dense_names: names of further parameters averaged densely (e.g. the logits layer).
         density_warmup: sets the compressor's density at each compressed step (see
             :mod:`lightning_gradcomp.schedule`); ``None`` leaves it alone.
+        schedule: plans every step instead of ``warmup_steps`` and ``density_warmup`` (e.g. an
+            :class:`~lightning_gradcomp.adaptive.Accordion`); part of the hook's state.
         seed: base seed of the units' random streams (see :mod:`lightning_gradcomp.randomness`).
         group: the process group (default: the world).
         history: how many :class:`StepStats` to keep.
@@ -217,6 +232,7 @@ class GradCompHook:
         group: dist.ProcessGroup | None = None,
         history: int = 10_000,
         topology: "NodeTopology | None" = None,
+        schedule: "WarmupSchedule | None" = None,
     ) -> None:
         if isinstance(aggregator, str):
             aggregator = AGGREGATORS[check_choice("aggregator", aggregator, sorted(AGGREGATORS))]()
@@ -225,8 +241,7 @@ class GradCompHook:
         self.memory = memory
         self.aggregator = aggregator
         self.units = plan_units(named_parameters, granularity, min_compress_numel, dense_names, unit_cap_mb)
-        self.warmup_steps = warmup_steps
-        self.density_warmup = density_warmup
+        self.schedule = schedule if schedule is not None else WarmupSchedule(warmup_steps, density_warmup)
         # the inter-node collectives of a node topology count into the hook's counter: they are its bytes_sent
         self.counter = topology.counter if topology is not None else CommCounter()
         self.collectives = Collectives(group, self.counter)
@@ -239,7 +254,10 @@ class GradCompHook:
         self.calls = 0
         self.history: deque[StepStats] = deque(maxlen=history)
         self._names = {id(p): name for name, p in named_parameters}
+        self._positions = {id(p): i for i, (_, p) in enumerate(named_parameters)}
         self._device = named_parameters[0][1].device if named_parameters else torch.device("cpu")
+        # an adaptive schedule's per-parameter squared gradient norms of the step, summed in parameter order
+        self._squared_norms = torch.zeros(len(named_parameters), dtype=torch.float64, device=self._device)
         # a compressor that compresses a flat unit parameter by parameter is told their shapes
         self._shapes = {u.index: {"shapes": u.shapes} if compressor.takes_shapes else {} for u in self.units}
         self._assembler = UnitAssembler(self.units)
@@ -271,21 +289,24 @@ class GradCompHook:
         """Statistics of the last completed step, or ``None`` before the first."""
         return self.history[-1] if self.history else None
 
-    @property
-    def compressing(self) -> bool:
-        """Whether the warm-up is over."""
-        return self.step >= self.warmup_steps
-
     def state_dict(self) -> dict:
         """What must survive a restart: the step counter (random streams derive from it), the compressor's
-        warm starts and the memory's state (residuals, shifts: live tensors, as ``Module.state_dict``)."""
-        return {"step": self.step, "warm_starts": self.warm_starts.state_dict(), "memory": self.memory.state_dict()}
+        warm starts, the schedule's state (an adaptive one's statistics and regime) and the memory's state
+        (residuals, shifts: live tensors, as ``Module.state_dict``)."""
+        return {
+            "step": self.step,
+            "warm_starts": self.warm_starts.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "memory": self.memory.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output, the memory's onto the parameters' device (a state without
         ``"memory"``, as the strategies' checkpoint shards keep it apart, leaves the memory as it is)."""
         self.step = int(state["step"])
         self.warm_starts.load_state_dict(state.get("warm_starts", {}))
+        if "schedule" in state:
+            self.schedule.load_state_dict(state["schedule"])
         if "memory" in state:
             self.memory.load_state_dict({k: v.to(self._device) for k, v in state["memory"].items()})
 
@@ -298,14 +319,11 @@ class GradCompHook:
         """
         buffer = bucket.buffer()
         if self._current is None:
-            self.counter.reset()
-            if self.topology.intra_counter is not None:
-                self.topology.intra_counter.reset()
-            warmup = not self.compressing
-            self._current = StepStats(step=self.step, compressed=not warmup and not self._dense_only, warmup=warmup)
-            if self.density_warmup is not None and self._current.compressed:
-                self.compressor.density = self.density_warmup.density(self.step - self.warmup_steps)
+            self._current = self._plan_step()
         stats = self._current
+        if self.schedule.observes:  # this rank's gradient as it arrived, before anything touches it
+            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                self._squared_norms[self._positions[id(p)]] = torch.linalg.vector_norm(grad).square()
         stats.buckets += 1
         stats.numel += buffer.numel()
         stats.dense_bytes += buffer.numel() * buffer.element_size()
@@ -330,6 +348,25 @@ class GradCompHook:
         if bucket.is_last():
             self._finish_step(stats)
         return future
+
+    def _plan_step(self) -> StepStats:
+        """Zero the counters and let the schedule plan the step that starts (an adaptive schedule first decides,
+        at the end of each interval, from its statistics summed over the ranks: one small collective)."""
+        self.counter.reset()
+        if self.topology.intra_counter is not None:
+            self.topology.intra_counter.reset()
+        if self.schedule.due(self.step):
+            summed = self.collectives.all_reduce_(self.schedule.statistics().to(self._device))
+            self.schedule.decide(self.step, summed, self.world_size)
+        plan = self.schedule.plan(self.step)
+        if plan.compress and plan.density is not None:
+            self.compressor.density = plan.density
+        return StepStats(
+            step=self.step,
+            compressed=plan.compress and not self._dense_only,
+            regime=plan.regime,
+            planned_density=plan.density if plan.compress else None,
+        )
 
     def _bucket_names(self, bucket: dist.GradBucket) -> list[str]:
         try:
@@ -493,6 +530,9 @@ class GradCompHook:
             stats.collectives += self.topology.intra_counter.calls
         if not stats.compressed:
             stats.seconds_communicate = self.counter.seconds
+        if self.schedule.observes:
+            self.schedule.observe(self._squared_norms.sum())
+            self._squared_norms.zero_()
         if self.history:
             self.history[-1].captures.clear()
         self.history.append(stats)

@@ -1,4 +1,14 @@
-"""Density warm-up by step: sparsifiers start dense-ish and reach their density gradually.
+"""Schedules: what each step does, dense or compressed and at which density, decided from state every rank holds.
+
+A schedule gives the hook a :class:`StepPlan` at the start of every step. :class:`WarmupSchedule`
+is a pure function of the step counter: ``warmup_steps`` dense steps, then compressed steps whose
+density a :class:`DensityWarmup` may lower gradually. The adaptive
+:class:`~lightning_gradcomp.adaptive.Accordion` decides from what the run measures instead. Either
+way every rank holds the same plan, and the checkpoint carries the schedule's state
+(:meth:`WarmupSchedule.state_dict`), so a resumed run makes the same decisions as the run that never
+stopped.
+
+Density warm-up by step: sparsifiers start dense-ish and reach their density gradually.
 
 Sparsifying from the first step at density 0.001 throws away most of the early gradients, whose
 directions change fastest; the residual then carries stale mass for many steps and training
@@ -16,10 +26,28 @@ as the run that never stopped.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import Tensor
 
 from lightning_gradcomp.validation import check_density, check_int
 
-__all__ = ["DensityWarmup"]
+__all__ = ["DensityWarmup", "StepPlan", "WarmupSchedule"]
+
+#: What a step is: one of the dense first steps, a step of a critical regime (compressed less, or dense), a
+#: relaxed one (compressed at the compressor's density), or a step of a schedule without regimes.
+Regime = Literal["warmup", "critical", "relaxed", "steady"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step does: through the compression pipeline (``compress``) or DDP's dense average, the
+    sparsifier's ``density`` for the step (``None``: leave it as it is), and the ``regime`` it belongs to."""
+
+    compress: bool
+    density: float | None = None
+    regime: Regime = "steady"
 
 
 class DensityWarmup:
@@ -48,3 +76,47 @@ class DensityWarmup:
 
     def __repr__(self) -> str:
         return f"DensityWarmup(target={self.target}, steps={self.steps}, start={self.start})"
+
+
+class WarmupSchedule:
+    """``warmup_steps`` dense steps (as DDP averages them), then every step compressed, at the density of
+    ``density_warmup`` if given. A pure function of the step counter: it observes nothing and keeps no state."""
+
+    #: whether the hook must hand :meth:`observe` each step's squared gradient norm (only adaptive schedules do)
+    observes = False
+
+    def __init__(self, warmup_steps: int = 1, density_warmup: DensityWarmup | None = None) -> None:
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.density_warmup = density_warmup
+
+    def plan(self, step: int) -> StepPlan:
+        """The plan of step ``step`` (0 is the first)."""
+        if step < self.warmup_steps:
+            return StepPlan(compress=False, regime="warmup")
+        density = None if self.density_warmup is None else self.density_warmup.density(step - self.warmup_steps)
+        return StepPlan(compress=True, density=density)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` needs the ranks' summed statistics first (:meth:`decide`): never here."""
+        return False
+
+    def observe(self, squared_norm: Tensor) -> None:
+        """Take one step's squared norm of this rank's gradient (only called when :attr:`observes`)."""
+
+    def statistics(self) -> Tensor:
+        """This rank's statistics since the last decision, to be summed over ranks (only called when :meth:`due`)."""
+        raise NotImplementedError(f"{type(self).__name__} decides nothing")
+
+    def decide(self, step: int, summed: Tensor, world_size: int) -> None:
+        """Decide from ``summed`` (:meth:`statistics` summed over ``world_size`` ranks) at step ``step``."""
+        raise NotImplementedError(f"{type(self).__name__} decides nothing")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to plan alike (nothing: the step counter, which the hook keeps, suffices)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+    def __repr__(self) -> str:
+        return f"WarmupSchedule(warmup_steps={self.warmup_steps}, density_warmup={self.density_warmup!r})"

@@ -22,15 +22,22 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gradcomp.adaptive import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, Accordion
 from lightning_gradcomp.checkpoint import FORMAT, ShardError, manifest, read_shard, write_shard
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, NodeTopology, node_id_from_environment
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
-from lightning_gradcomp.schedule import DensityWarmup
+from lightning_gradcomp.schedule import DensityWarmup, WarmupSchedule
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
 from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_number
+
+#: The adaptive schedules (``adaptive=``) and the arguments Accordion takes (``adaptive_kwargs=``).
+ADAPTIVE = ("none", "accordion")
+ACCORDION_ARGUMENTS = ("interval", "threshold", "critical_density")
+#: A sparsifier's density in Accordion's critical regimes, over its own density, unless given.
+CRITICAL_DENSITY_FACTOR = 10.0
 
 
 def check_ddp_keywords(owner: str, keywords: Iterable[str]) -> None:
@@ -72,6 +79,8 @@ class CompressionSettings:
         density_warmup_steps: int = 0,
         density_warmup_start: float = 0.25,
         warmup_steps: int = 1,
+        adaptive: Literal["none", "accordion"] = "none",
+        adaptive_kwargs: dict[str, Any] | None = None,
         min_compress_numel: int = 1024,
         seed: int = 0,
         compressor_kwargs: dict[str, Any] | None = None,
@@ -82,7 +91,11 @@ class CompressionSettings:
         hierarchy_scheme: Literal["sharded", "leader"] = "sharded",
         on_world_size_change: Literal["error", "reset"] = "error",
     ) -> None:
-        for name, value in (("compressor_kwargs", compressor_kwargs), ("memory_kwargs", memory_kwargs)):
+        for name, value in (
+            ("compressor_kwargs", compressor_kwargs),
+            ("memory_kwargs", memory_kwargs),
+            ("adaptive_kwargs", adaptive_kwargs),
+        ):
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a dictionary of keyword arguments or None, got {value!r}")
         if not isinstance(dense_parameters, (list, tuple)) or not all(isinstance(p, str) for p in dense_parameters):
@@ -144,6 +157,7 @@ class CompressionSettings:
         self.seed = check_int("seed", seed, 0)
         self.density_schedule = self._check_schedule(density_schedule)
         self.density_warmup = self._check_density_warmup(density_warmup_steps, density_warmup_start)
+        self.schedule = self._build_schedule(check_choice("adaptive", adaptive, ADAPTIVE), adaptive_kwargs or {})
         check_bool("keep_last_layer_dense", keep_last_layer_dense)
         check_choice("on_world_size_change", on_world_size_change, ("error", "reset"))
         self.on_world_size_change = on_world_size_change
@@ -191,6 +205,31 @@ class CompressionSettings:
                 "density; give one (the warm-up counts steps, the schedule epochs)"
             )
         return DensityWarmup(self.compressor.density, steps, start)
+
+    def _build_schedule(self, adaptive: str, kwargs: dict[str, Any]) -> WarmupSchedule:
+        """The schedule that plans each step: the warm-ups as given, or Accordion (which replaces the density's)."""
+        if adaptive == "none":
+            if kwargs:
+                raise ValueError(f"adaptive_kwargs={kwargs!r} configure an adaptive schedule; set adaptive='accordion'")
+            return WarmupSchedule(self.warmup_steps, self.density_warmup)
+        for setting, value in (
+            ("density_warmup_steps", self.density_warmup),
+            ("density_schedule", self.density_schedule),
+        ):
+            if value is not None:
+                raise ValueError(f"adaptive={adaptive!r} sets the density itself; do not give {setting} as well")
+        unknown = sorted(set(kwargs) - set(ACCORDION_ARGUMENTS))
+        if unknown:
+            raise ValueError(f"adaptive_kwargs has unknown arguments {unknown}; Accordion takes {ACCORDION_ARGUMENTS}")
+        density = getattr(self.compressor, "density", None)
+        critical = min(1.0, CRITICAL_DENSITY_FACTOR * density) if density is not None else None
+        return Accordion(
+            density=density,
+            critical_density=kwargs.get("critical_density", critical),
+            interval=kwargs.get("interval", DEFAULT_INTERVAL),
+            threshold=kwargs.get("threshold", DEFAULT_THRESHOLD),
+            warmup_steps=self.warmup_steps,
+        )
 
     def density_for_epoch(self, epoch: int) -> float | None:
         """The scheduled density for ``epoch`` (``None`` without a schedule)."""
@@ -245,10 +284,9 @@ class CompressionSettings:
             named_parameters=named,
             granularity=self.granularity,
             unit_cap_mb=self.unit_cap_mb,
-            warmup_steps=self.warmup_steps,
             min_compress_numel=self.min_compress_numel,
             dense_names=self.dense_parameter_names(named),
-            density_warmup=self.density_warmup,
+            schedule=self.schedule,
             seed=self.seed,
             group=group,
             topology=topology,
@@ -328,6 +366,7 @@ class CompressionSettings:
             "min_compress_numel": str(self.min_compress_numel),
             "density_schedule": str(self.density_schedule),
             "density_warmup": repr(self.density_warmup),
+            "schedule": repr(self.schedule),
             "dense parameters": str(sorted(self.dense_parameter_names(named_parameters))),
             "seed": str(self.seed),
             "hierarchy": f"{self.hierarchy} {self.hierarchy_scheme}",

@@ -62,6 +62,16 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         density_warmup_start: the density at the first compressed step of the warm-up.
         warmup_steps: optimizer steps averaged densely before compression starts (DDP rebuilds its
             buckets after the first one; state is keyed by parameter name, so 0 is allowed).
+        adaptive: ``"none"``, or ``"accordion"`` to decide from the run how much to compress
+            (Agarwal et al., MLSys 2021; :class:`~lightning_gradcomp.adaptive.Accordion`): every
+            ``interval`` steps the gradient norm is compared with the last interval's, and a relative
+            change of at least ``threshold`` marks a critical regime, compressed less (at
+            ``critical_density``, or densely); otherwise the compressor's own density. Excludes the
+            density warm-up and ``density_schedule``; the first ``warmup_steps`` stay dense.
+        adaptive_kwargs: Accordion's arguments: ``interval`` (steps, default 50), ``threshold``
+            (default 0.5, the paper's), ``critical_density`` (a sparsifier's density in critical
+            regimes, default ten times ``density``; ``None`` averages them densely, the default for a
+            compressor without a density).
         min_compress_numel: parameters with fewer elements (biases, norms) are averaged densely.
         seed: base seed of the compressors' random streams; a unit's stream at a step is a pure
             function of (seed, rank, step, unit), the same after any restart.
@@ -107,6 +117,8 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         density_warmup_steps: int = 0,
         density_warmup_start: float = 0.25,
         warmup_steps: int = 1,
+        adaptive: Literal["none", "accordion"] = "none",
+        adaptive_kwargs: dict[str, Any] | None = None,
         min_compress_numel: int = 1024,
         seed: int = 0,
         compressor_kwargs: dict[str, Any] | None = None,

@@ -29,6 +29,7 @@ from lightning_gradcomp.callbacks import (
     layer_bounds,
 )
 from lightning_gradcomp.compressors import IdentityCompressor
+from lightning_gradcomp.compressors.indices import encoded_nbytes
 from lightning_gradcomp.compressors.topk import k_for
 
 TIMEOUT = timedelta(seconds=60)
@@ -147,7 +148,8 @@ def test_monitor_summary_table_covers_the_run(topk_csv_fit: list[dict[str, Any]]
     for name in LAYERS:
         d = dict(TinyClassifier().named_parameters())[name].numel()
         layer = total.layers[name]
-        assert layer["numel"] == d and layer["payload_bytes"] == k_for(d, DENSITY) * 8
+        k = k_for(d, DENSITY)
+        assert layer["numel"] == d and layer["payload_bytes"] == 4 + encoded_nbytes(d, k) + 4 * k
         assert name in topk_csv_fit[0]["table"]
     assert "Gradient compression" in topk_csv_fit[0]["table"]
 

@@ -8,6 +8,7 @@ from ranks import EveryRank, run_cases
 
 from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
 from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
+from lightning_gradcomp.compressors.indices import encoded_nbytes
 
 NUMELS = (1000, 37, 4096)
 
@@ -62,7 +63,8 @@ def test_allgather_of_variable_sparse_payloads_is_exact_on_every_rank(world_size
         for rank, r in enumerate(results):
             assert torch.equal(r["means"][i], expected), f"rank {rank}, unit {i}"
             assert torch.equal(r["sent"][i], codec.decompress(codec.compress(_local_inputs(rank)[i])))
-    longest = max(8 * sum(r["k"]) for r in results)
+    # each payload: its count, its indices (as few bytes as the count allows), its float32 values
+    longest = max(sum(4 + encoded_nbytes(n, k) + 4 * k for n, k in zip(NUMELS, r["k"], strict=True)) for r in results)
     for r in results:
         assert r["calls"] == 2  # one size exchange + one gather, for all three units together
         assert r["bytes_sent"] == 8 * len(NUMELS) + longest
@@ -80,7 +82,7 @@ def _allgather_all_empty(rank: int, world_size: int) -> dict:
 def test_allgather_when_no_rank_selects_anything(world_size: int, every_rank: EveryRank) -> None:
     for r in every_rank(world_size, "empty"):
         assert torch.equal(r["mean"], torch.zeros(10))
-        assert r["bytes_sent"] == 8 + 1  # sizes, then one padding byte: gloo never sees an empty tensor
+        assert r["bytes_sent"] == 8 + 4  # the size, then the payload: its count of no entries
 
 
 def _topk_and_dense(rank: int, world_size: int) -> dict:

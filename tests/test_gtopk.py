@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
 from lightning_gradcomp.comm.gtopk import GTopKAggregator
 from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
+from lightning_gradcomp.compressors.indices import encoded_nbytes
 from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback
@@ -294,7 +295,12 @@ def test_an_entry_dropped_on_the_way_stays_in_the_residual(by_size: dict) -> Non
 
 
 def _unit_bytes(flags: bool = False) -> int:
-    return sum(8 + k_for(numel, DENSITY) * (4 + 4 + int(flags)) for _, numel, kind in UNITS if kind != "dense")
+    """Per sparse unit: an int32 count, the indices in the format of k of them, k float32 values (and k flags)."""
+    return sum(
+        4 + encoded_nbytes(numel, k_for(numel, DENSITY)) + k_for(numel, DENSITY) * (4 + int(flags))
+        for _, numel, kind in UNITS
+        if kind != "dense"
+    )
 
 
 @pytest.mark.parametrize("size", SIZES)

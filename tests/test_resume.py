@@ -28,6 +28,7 @@ N = 4  # optimizer steps per epoch: the checkpoint lands on an epoch boundary
 BUCKET_CAP_MB = 0.01  # rebuilt buckets of about 10 KiB: several, unlike the initial single bucket
 #: Denser than the presets' 0.001 so that the tiny model's units select more than one entry.
 SPARSIFIER_DENSITY = 0.05
+ACCORDION_INTERVAL = 3
 
 
 def _cases() -> dict[str, dict[str, Any]]:
@@ -46,6 +47,17 @@ def _cases() -> dict[str, dict[str, Any]]:
     cases["ddp_atomo/dense-first"] = {**cases["ddp_atomo"], "warmup_steps": N + 2}
     # PowerSGD's Q is drawn at the first compressed step, after the resume: from the seed, not from the checkpoint
     cases["ddp_powersgd/dense-first"] = {**cases["ddp_powersgd"], "warmup_steps": N + 2}
+    # Accordion decides at steps 3 and 6: the checkpoint (step 4) lands inside an interval, with this rank's
+    # accumulated norms and the last decision in its shard; critical regimes sparser, or dense (TernGrad). A
+    # threshold this high relaxes at the first comparison (step 6), so the runs' last steps depend on it.
+    accordion = {"adaptive": "accordion", "density_warmup_steps": 0}
+    every = {"interval": ACCORDION_INTERVAL, "threshold": 10.0}
+    cases["ddp_topk/accordion"] = {
+        **cases["ddp_topk"],
+        **accordion,
+        "adaptive_kwargs": {**every, "critical_density": 0.5},
+    }
+    cases["ddp_terngrad/accordion"] = {**cases["ddp_terngrad"], **accordion, "adaptive_kwargs": every}
     return cases
 
 
@@ -57,12 +69,19 @@ def _strategy(case: str) -> GradCompStrategy:
     return GradCompStrategy(timeout=TIMEOUT, bucket_cap_mb=BUCKET_CAP_MB, **kwargs)
 
 
+def _dense_after_the_checkpoint(case: str) -> bool:
+    """Whether steps after the checkpoint are averaged densely: the dense baseline, dense first steps that outlast
+    it, or Accordion's critical regimes of a compressor without a density."""
+    kwargs = CASES[case]
+    dense_critical = kwargs.get("adaptive") == "accordion" and _strategy(case).schedule.critical_density is None
+    return kwargs["compressor"] == "none" or kwargs.get("warmup_steps", 1) > N or dense_critical
+
+
 def _cases_for(world_size: int) -> list[str]:
-    # The dense baseline *is* DDP (bucket layout included, so that it matches plain DDP bit for bit);
-    # over 3+ ranks gloo's float sums depend on that layout, so it resumes exactly on 2 ranks only; so
-    # does a resume inside the dense first steps.
-    exact_anywhere = [c for c in CASES if CASES[c]["compressor"] != "none" and CASES[c].get("warmup_steps", 1) <= N]
-    return list(CASES) if world_size == 2 else exact_anywhere
+    # A dense step *is* DDP's (bucket layout included, so that the baseline matches plain DDP bit for bit);
+    # over 3+ ranks gloo's float sums depend on that layout, which a resumed run starts afresh, so a run
+    # with dense steps after the checkpoint resumes exactly on 2 ranks only, as plain DDP does.
+    return list(CASES) if world_size == 2 else [c for c in CASES if not _dense_after_the_checkpoint(c)]
 
 
 def _outcome(model: torch.nn.Module, strategy: GradCompStrategy) -> dict:
@@ -72,6 +91,8 @@ def _outcome(model: torch.nn.Module, strategy: GradCompStrategy) -> dict:
         "memory": strategy.memory.state_dict(),
         "step": hook.step,
         "warm_starts": hook.state_dict()["warm_starts"],
+        "schedule": hook.state_dict()["schedule"],
+        "regimes": [s.regime for s in hook.history],
         "buckets": [s.buckets for s in hook.history],
     }
 
@@ -120,6 +141,10 @@ def test_resume_is_bit_identical_whatever_the_bucket_layout(world_size: int, tmp
             assert bool(straight["warm_starts"]) == (CASES[case]["compressor"] == "powersgd"), label
             for name in straight["warm_starts"]:
                 assert torch.equal(straight["warm_starts"][name], again["warm_starts"][name]), f"{label}: Q of {name}"
+            assert straight["schedule"] == again["schedule"], label  # Accordion's norms and decisions, exactly
+            if CASES[case].get("adaptive") == "accordion":
+                assert [d[0] for d in straight["schedule"]["decisions"]] == [3, 6], label
+                assert straight["regimes"][-2:] == again["regimes"][-2:] == ["relaxed"] * 2, label
             for name in straight["weights"]:
                 assert torch.equal(straight["weights"][name], again["weights"][name]), f"{label}: weight {name}"
         # ranks hold different residuals (every rank's state came back, not rank 0's alone)

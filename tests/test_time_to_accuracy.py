@@ -17,7 +17,7 @@ from paired import paired_difference, t975, verdict  # noqa: E402
 
 
 def _curves(runs: dict) -> dict:
-    return {"model": "lenet", "batch": 32, "ranks": 4, "seeds": [0, 1], "runs": runs}
+    return {"model": "lenet", "batch": 32, "ranks": 4, "steps": 600, "seeds": [0, 1], "runs": runs}
 
 
 def _network(per_step: dict[str, float]) -> dict:
@@ -119,6 +119,24 @@ def test_a_density_warmup_is_counted_at_its_own_measured_pace() -> None:
     # ATOMO's preset: 100 dense steps first, no density warm-up
     dense_first = {"seconds_per_step": 0.1, "dense_steps": 100, "warmup_seconds_per_step": 0.4}
     assert tta.elapsed_seconds(dense_first, 150) == pytest.approx(100 * 0.4 + 50 * 0.1)
+
+
+def test_accordion_steps_take_their_regimes_time() -> None:
+    """The run's phases say which steps were critical (compressed less, or dense): those at their own pace."""
+    row = {"seconds_per_step": 0.1, "critical_seconds_per_step": 0.5}
+    phases = [["warmup", False, None, 1, 900.0], ["critical", True, 0.01, 99, 90.0], ["relaxed", True, 0.001, 50, 9.0],
+              ["critical", True, 0.01, 50, 90.0], ["relaxed", True, 0.001, 400, 9.0]]  # fmt: skip
+    assert tta.elapsed_seconds(row, 60, phases) == pytest.approx(0.1 + 59 * 0.5)
+    assert tta.elapsed_seconds(row, 250, phases) == pytest.approx(0.1 + 99 * 0.5 + 50 * 0.1 + 50 * 0.5 + 50 * 0.1)
+    assert tta.elapsed_seconds(row, 700, phases) == pytest.approx(0.1 + 149 * 0.5 + 550 * 0.1)  # past the run: relaxed
+    assert tta.elapsed_seconds({"seconds_per_step": 0.1}, 60, phases) == pytest.approx(6.0)  # no regimes timed
+
+
+def test_pytorchs_powersgd_started_as_documented_is_dense_for_a_tenth_of_the_run() -> None:
+    network = _network({"dense": 0.5, "powersgd": 0.1})
+    row = tta.measurements(network, "100mbit", 600)["powersgd:start-10pct"]
+    assert tta.elapsed_seconds(row, 50) == pytest.approx(50 * 0.5)
+    assert tta.elapsed_seconds(row, 100) == pytest.approx(60 * 0.5 + 40 * 0.1)
 
 
 def test_each_seeds_target_is_set_by_its_own_dense_run() -> None:

@@ -18,14 +18,16 @@ butterfly, so that every rank ends with the result and no broadcast is needed:
   ``j`` finally sends the result back to rank ``P' + j``. (The authors' code needs ``P`` to be
   a power of two.)
 
-Cost per rank and call, ``P`` a power of two, ``B = k * (index + value bytes)``: ``log2(P)``
+Cost per rank and call, ``P`` a power of two, ``B = k * (index + value bytes)`` (an index takes about
+``2 + log2(d / k)`` bits): ``log2(P)``
 messages of ``B`` sent and received, i.e. ``alpha * log2(P) + 2k * log2(P) * beta`` in the
 paper's model (``k`` values and ``k`` indices per round), against ``2 (P - 1) k beta`` for an
 allgather of the Top-k sets and ``2 (P - 1) / P * d * beta`` for a dense ring allreduce. Bytes
 per rank per step therefore grow like ``log2(P)``, where the allgather's received bytes grow
 like ``P``. Otherwise the first ``P - P'`` ranks pay one extra message each way, and the folded
 ranks send and receive one message in all. All units of a call travel in one
-message per round; each unit has a fixed size (a count, then ``k`` index and ``k`` value slots,
+message per round; each unit has a fixed size (a count, the indices as a sorted set in the format
+and size of ``k`` of them, :mod:`~lightning_gradcomp.compressors.indices`, then ``k`` value slots,
 zero-padded), so no sizes are exchanged.
 
 What reached the result (``Aggregate.sent``, which error feedback subtracts from ``acc``): a
@@ -53,12 +55,13 @@ from torch import Tensor
 from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, Contribution, Pending, start_dense_apart
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.compressors import IdentityCompressor, SparseEntries, SparsePayload
-from lightning_gradcomp.compressors.sparse import index_dtype, itemsize
+from lightning_gradcomp.compressors.indices import decode_indices, encode_indices, encoded_nbytes
+from lightning_gradcomp.compressors.sparse import itemsize
 from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.validation import check_density
 
-_COUNT_DTYPE = torch.int64
+_COUNT_DTYPE = torch.int32
 
 
 @dataclass(frozen=True)
@@ -116,15 +119,16 @@ def merge(a: SparseSet, b: SparseSet, k: int) -> SparseSet:
 
 @dataclass(frozen=True)
 class _Unit:
-    """Wire layout of one contribution: a count, then ``k`` index slots and ``k`` value slots (and flags)."""
+    """Wire layout of one contribution: a count, the indices in the format of ``k`` of them, ``k`` value slots
+    (and ``k`` flags)."""
 
     numel: int
     k: int
     dtype: torch.dtype
-    index_dtype: torch.dtype
 
     def nbytes(self, flags: bool = False) -> int:
-        return itemsize(_COUNT_DTYPE) + self.k * (itemsize(self.index_dtype) + itemsize(self.dtype) + int(flags))
+        indices = encoded_nbytes(self.numel, self.k, capacity=self.k)
+        return itemsize(_COUNT_DTYPE) + indices + self.k * (itemsize(self.dtype) + int(flags))
 
 
 def _padded(t: Tensor, length: int, dtype: torch.dtype) -> Tensor:
@@ -139,7 +143,7 @@ def _pack(sets: Sequence[SparseSet], units: Sequence[_Unit], flags: Sequence[Ten
     for i, (entries, unit) in enumerate(zip(sets, units, strict=True)):
         device = entries.values.device
         parts.append(torch.tensor([entries.indices.numel()], dtype=_COUNT_DTYPE, device=device))
-        parts.append(_padded(entries.indices, unit.k, unit.index_dtype))
+        parts.append(encode_indices(entries.indices, unit.numel, capacity=unit.k))
         parts.append(_padded(entries.values, unit.k, unit.dtype))
         if flags is not None:
             parts.append(_padded(flags[i], unit.k, torch.uint8))
@@ -154,7 +158,8 @@ def _unpack(buffer: Tensor, units: Sequence[_Unit], flags: bool = False) -> tupl
         count = int(reader.take(1, _COUNT_DTYPE))
         if not 0 <= count <= unit.k:
             raise RuntimeError(f"gtopk message holds {count} entries for a unit of at most {unit.k}")
-        indices = reader.take(unit.k, unit.index_dtype)[:count].long()
+        encoded = reader.take(encoded_nbytes(unit.numel, unit.k, capacity=unit.k), torch.uint8)
+        indices = decode_indices(encoded, unit.numel, count, capacity=unit.k)
         values = reader.take(unit.k, unit.dtype)[:count].clone()
         sets.append(SparseSet(indices, values))
         if flags:
@@ -261,7 +266,7 @@ class GTopKAggregator(Aggregator):
             assert isinstance(payload, SparsePayload)
             numel = payload.numel
             k = k_for(numel, _density(c.codec))
-            units.append(_Unit(numel, k, payload.dtype, index_dtype(numel)))
+            units.append(_Unit(numel, k, payload.dtype))
             local.append(keep_largest(canonical(payload.indices, payload.values), k))
         device = contributions[0].payload.device
         size = sum(u.nbytes() for u in units)

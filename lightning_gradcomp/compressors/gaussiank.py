@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
-from lightning_gradcomp.compressors.sparse import SparsePayload
+from lightning_gradcomp.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
 from lightning_gradcomp.compressors.topk import TopKCompressor, k_for
 from lightning_gradcomp.validation import check_int
 
@@ -99,8 +99,9 @@ class GaussianKCompressor(TopKCompressor):
         return SparsePayload.from_bytes(buffer, shape, dtype, slots=k_for(shape.numel(), self.density))
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
-        """A count and ``k`` slots: ``4 + k * (index + value bytes)``, whatever the count."""
-        return super().payload_nbytes(shape, dtype) + 4
+        """A count, then ``k`` indices' and ``k`` values' slots, whatever the count."""
+        k = k_for(shape.numel(), self.density)
+        return sparse_nbytes(shape.numel(), k, itemsize(dtype), slots=k)
 
     def threshold(self, x: Tensor) -> float:
         """The initial threshold ``|mu| + Phi^-1(1 - rho/2) * sigma`` of the flat tensor ``x`` (0 for an empty one)."""

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Entries, Payload, all_finite
+from lightning_gradcomp.compressors.indices import decode_indices, encode_indices, encoded_nbytes
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 _INT32_LIMIT = 2**31 - 1
@@ -17,6 +18,11 @@ _INT32_LIMIT = 2**31 - 1
 def index_dtype(numel: int) -> torch.dtype:
     """Narrowest index type that addresses ``numel`` elements: int32 up to 2**31 - 1, else int64."""
     return torch.int32 if numel <= _INT32_LIMIT else torch.int64
+
+
+def sparse_nbytes(numel: int, k: int, float_itemsize: int, slots: int | None = None) -> int:
+    """Wire size of a :class:`SparsePayload` of ``k`` entries of ``numel`` (with ``slots``, of any count up to it)."""
+    return 4 + encoded_nbytes(numel, k, slots) + (k if slots is None else slots) * float_itemsize
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -28,11 +34,14 @@ def itemsize(dtype: torch.dtype) -> int:
 class SparsePayload(Payload):
     """``k`` entries of a tensor of ``shape`` (flat indices); absent entries are zero.
 
-    Wire form: the indices (int32 below 2**31 elements, else int64), then the values in the
-    gradient's dtype: ``k * (4 + itemsize)`` bytes for the usual case. With ``slots`` (a compressor
-    whose count varies up to a known bound, Gaussian_k), the wire form has a fixed size instead: the
-    count as int32, then ``slots`` indices and ``slots`` values, zero-padded, so that an allgather
-    needs no exchange of sizes (one collective instead of two, as gTop-k's fixed sets).
+    Wire form: the count ``k`` as int32, the indices as a sorted set in the fewest bytes their count
+    allows (:mod:`~lightning_gradcomp.compressors.indices`: Elias-Fano, about ``2 + log2(d / k)``
+    bits each, or a bitmap), then the values in ascending index order, in the gradient's dtype (or a
+    wire precision's): ``4 + encoded_nbytes(d, k) + k * itemsize`` bytes, a function of ``d`` and ``k``
+    alone. With ``slots`` (a compressor whose count varies up to a known bound, Gaussian_k), the wire
+    form has a fixed size instead: the indices in the format of ``slots`` indices, then ``slots``
+    values, zero-padded, so that an allgather needs no exchange of sizes (one collective instead of
+    two, as gTop-k's fixed sets).
     """
 
     indices: Tensor
@@ -62,8 +71,7 @@ class SparsePayload(Payload):
         return self.wire_nbytes(self.values.element_size())
 
     def wire_nbytes(self, float_itemsize: int) -> int:
-        per_entry = itemsize(index_dtype(self.numel)) + float_itemsize
-        return self.k * per_entry if self.slots is None else 4 + self.slots * per_entry
+        return sparse_nbytes(self.numel, self.k, float_itemsize, self.slots)
 
     def cast(self, dtype: torch.dtype) -> SparsePayload:
         return SparsePayload(self.indices, self.values.to(dtype), self.shape, self.slots)
@@ -72,40 +80,31 @@ class SparsePayload(Payload):
         return SparseEntries(self.indices, self.values, self.numel)
 
     def to_bytes(self) -> Tensor:
-        indices = self.indices.to(index_dtype(self.numel))
-        if self.slots is None:
-            return to_bytes([indices, self.values])
-        if self.k > self.slots:
+        if self.slots is not None and self.k > self.slots:
             raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
-        pad = self.slots - self.k
+        indices, order = torch.sort(self.indices.reshape(-1).long())
+        values = self.values.reshape(-1)[order]
         count = torch.tensor([self.k], dtype=torch.int32, device=self.values.device)
-        return to_bytes([count, zero_padded(indices, pad), zero_padded(self.values, pad)])
+        encoded = encode_indices(indices, self.numel, self.slots)
+        padding = 0 if self.slots is None else self.slots - self.k
+        return to_bytes([count, encoded, zero_padded(values, padding)])
 
     @classmethod
     def from_bytes(
         cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype, slots: int | None = None
     ) -> SparsePayload:
-        """Parse the wire form; the entry count follows from the buffer's length, or from its header with ``slots``."""
+        """Parse the wire form (the count is in its header)."""
         numel = shape.numel()
-        per_entry = itemsize(index_dtype(numel)) + itemsize(dtype)
-        if slots is not None:
-            if buffer.numel() != 4 + slots * per_entry:
-                raise ValueError(f"sparse payload of {buffer.numel()} bytes, expected {4 + slots * per_entry}")
-            reader = ByteReader(buffer)
-            k = int(reader.take(1, torch.int32))
-            if not 0 <= k <= slots:
-                raise ValueError(f"sparse payload claims {k} entries in {slots} slots")
-            indices = reader.take(slots, index_dtype(numel))[:k].long()
-            return cls(indices, reader.take(slots, dtype)[:k], shape, slots)
-        if buffer.numel() % per_entry:
-            raise ValueError(
-                f"sparse payload of {buffer.numel()} bytes is not a whole number of {per_entry}-byte entries"
-            )
-        k = buffer.numel() // per_entry
         reader = ByteReader(buffer)
-        indices = reader.take(k, index_dtype(numel)).long()
-        values = reader.take(k, dtype)
-        return cls(indices, values, shape)
+        k = int(reader.take(1, torch.int32)) if buffer.numel() >= 4 else -1
+        if k < 0 or (slots is not None and k > slots) or (slots is None and k > numel):
+            raise ValueError(f"sparse payload of {buffer.numel()} bytes claims {k} entries")
+        expected = sparse_nbytes(numel, k, itemsize(dtype), slots)
+        if buffer.numel() != expected:
+            raise ValueError(f"sparse payload of {buffer.numel()} bytes, expected {expected} for {k} entries")
+        indices = decode_indices(reader.take(encoded_nbytes(numel, k, slots), torch.uint8), numel, k, slots)
+        values = reader.take(k if slots is None else slots, dtype)[:k]
+        return cls(indices, values, shape, slots)
 
     def accumulate(self, out: Tensor) -> Tensor:
         """Add the entries into the flat dense tensor ``out`` (in place)."""
@@ -184,5 +183,4 @@ class FixedKSparsifier(Compressor):
         return payload.accumulate(out)
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
-        numel = shape.numel()
-        return k_for(numel, self.density) * (itemsize(index_dtype(numel)) + itemsize(dtype))
+        return sparse_nbytes(shape.numel(), k_for(shape.numel(), self.density), itemsize(dtype))

@@ -1,0 +1,171 @@
+"""Accordion's adaptive compression: its rule by hand, the same decisions on every rank, and its settings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from models import teacher_task
+from ranks import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.adaptive import Accordion, AccordionDecision
+from lightning_gradcomp.compressors import TopKCompressor
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.memory import ErrorFeedback
+
+
+def _feed(schedule: Accordion, squared_norms: list[float], start: int = 0, world_size: int = 1) -> list[str]:
+    """Run ``schedule`` over steps with these squared norms, as the hook does; the regime of each step."""
+    regimes = []
+    for step, value in enumerate(squared_norms, start=start):
+        if schedule.due(step):
+            schedule.decide(step, schedule.statistics() * world_size, world_size)
+        regimes.append(schedule.plan(step).regime)
+        schedule.observe(torch.tensor(value, dtype=torch.float32))
+    return regimes
+
+
+def test_the_rule_by_hand() -> None:
+    """Agarwal et al., Algorithm 1: the interval's norm against the last one's, a change of at least eta is critical."""
+    schedule = Accordion(density=0.001, critical_density=0.01, interval=2, threshold=0.5)
+    # norms per interval: 2, 3 (+50%: critical), sqrt(12.5) (+18%: relaxed), 10 (+183%: critical), 10 (relaxed)
+    regimes = _feed(schedule, [4, 4, 9, 9, 9, 16, 100, 100, 100, 100, 1])
+    assert regimes == ["warmup"] + ["critical"] * 5 + ["relaxed"] * 2 + ["critical"] * 2 + ["relaxed"]
+    assert schedule.decisions == [
+        AccordionDecision(2, 2.0, None, True),  # nothing to compare with: the first intervals stay critical
+        AccordionDecision(4, 3.0, 0.5, True),
+        AccordionDecision(6, math.sqrt(12.5), abs(3.0 - math.sqrt(12.5)) / 3.0, False),
+        AccordionDecision(8, 10.0, (10.0 - math.sqrt(12.5)) / math.sqrt(12.5), True),
+        AccordionDecision(10, 10.0, 0.0, False),
+    ]
+    plans = [schedule.plan(10), Accordion(density=0.001, critical_density=0.01).plan(5)]
+    assert [(p.compress, p.density) for p in plans] == [(True, 0.001), (True, 0.01)]
+    dense = Accordion(interval=2)  # no density: critical steps are averaged densely, as DDP does
+    assert [(p.compress, p.regime) for p in (dense.plan(0), dense.plan(1))] == [(False, "warmup"), (False, "critical")]
+
+
+def test_summed_over_ranks_and_blind_to_skipped_steps() -> None:
+    """The ranks' squared norms are averaged over ranks and steps; a non-finite one (a step AMP skips) is left out."""
+    ranks = [Accordion(interval=3, threshold=0.5) for _ in range(2)]
+    for schedule, values in zip(ranks, ([1.0, math.inf, 1.0], [9.0, 9.0, 9.0]), strict=True):
+        for value in values:
+            schedule.observe(torch.tensor(value))
+    summed = ranks[0].statistics() + ranks[1].statistics()
+    assert summed.tolist() == [29.0, 5.0]  # 1 + 1 + 27 over 2 + 3 finite steps
+    for schedule in ranks:
+        schedule.decide(3, summed, 2)
+    assert ranks[0].decisions == ranks[1].decisions == [AccordionDecision(3, math.sqrt(29 / 5), None, True)]
+
+
+def test_a_schedule_restored_between_two_decisions_decides_as_the_one_that_never_stopped() -> None:
+    norms = [4.0, 4.1, 9.0, 9.3, 9.1, 9.6, 50.0, 40.0, 41.0]
+    straight = Accordion(density=0.01, critical_density=0.1, interval=3, threshold=0.4)
+    expected = _feed(straight, norms)
+    stopped = Accordion(density=0.01, critical_density=0.1, interval=3, threshold=0.4)
+    first = _feed(stopped, norms[:5])  # stops inside the second interval
+    resumed = Accordion(density=0.01, critical_density=0.1, interval=3, threshold=0.4)
+    resumed.load_state_dict(stopped.state_dict())
+    assert first + _feed(resumed, norms[5:], start=5) == expected
+    assert resumed.decisions == straight.decisions and len(straight.decisions) == 2
+    assert resumed.state_dict() == straight.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval": 0}, r"interval must be an integer >= 1 \(optimizer steps between two decisions\), got 0"),
+        ({"threshold": 0.0}, r"threshold must be a finite number > 0, got 0.0"),
+        ({"density": 0.01, "critical_density": 0.001}, r"critical_density=0.001 is below the density 0.01"),
+        ({"critical_density": 0.1}, r"critical_density=0.1 needs a compressor with a density"),
+        ({"density": 0.01, "critical_density": 1.5}, r"critical_density must be a number in \(0, 1\], got 1.5"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Accordion(**kwargs)
+
+
+def test_the_strategy_builds_it_and_refuses_what_conflicts() -> None:
+    topk = GradCompStrategy(density=0.001, adaptive="accordion", adaptive_kwargs={"interval": 20})
+    assert repr(topk.schedule) == (
+        "Accordion(density=0.001, critical_density=0.01, interval=20, threshold=0.5, warmup_steps=1)"
+    )
+    terngrad = GradCompStrategy(compressor="terngrad", memory="none", adaptive="accordion")
+    assert terngrad.schedule.critical_density is None  # no density: critical regimes are averaged densely
+    dense = GradCompStrategy(adaptive="accordion", adaptive_kwargs={"critical_density": None})
+    assert dense.schedule.critical_density is None
+    with pytest.raises(ValueError, match=r"adaptive must be one of \['none', 'accordion'\], got 'acordion'"):
+        GradCompStrategy(adaptive="acordion")
+    with pytest.raises(ValueError, match=r"adaptive='accordion' sets the density itself; do not give density_warm"):
+        GradCompStrategy(adaptive="accordion", density_warmup_steps=100)
+    with pytest.raises(ValueError, match=r"adaptive_kwargs has unknown arguments \['intervl'\]; Accordion takes"):
+        GradCompStrategy(adaptive="accordion", adaptive_kwargs={"intervl": 5})
+    with pytest.raises(ValueError, match=r"adaptive_kwargs=\{'interval': 5\} configure an adaptive schedule"):
+        GradCompStrategy(adaptive_kwargs={"interval": 5})
+
+
+INTERVAL = 3
+STEPS = 18
+JUMP = 12  # the loss is scaled by 20 from this step on: the gradient norm jumps, a critical regime again
+
+
+def _accordion_on_real_ranks(rank: int, world_size: int) -> dict:
+    """Top-k with error feedback under Accordion on every rank's own data; each step's local gradient norm measured
+    apart on an undistributed copy of the same weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    copy = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    schedule = Accordion(density=0.05, critical_density=0.5, interval=INTERVAL, threshold=0.5)
+    hook = GradCompHook(TopKCompressor(0.05), ErrorFeedback(), "allgather", list(model.named_parameters()),
+                        min_compress_numel=100, schedule=schedule)  # fmt: skip
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)  # several buckets, rebuilt after step 1
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = teacher_task(n=STEPS * 16, seed=1 + rank)
+    local_norms = []
+    for step in range(STEPS):
+        x, y = data.tensors[0][step * 16 : (step + 1) * 16], data.tensors[1][step * 16 : (step + 1) * 16]
+        scale = 20.0 if step >= JUMP else 1.0
+        copy.load_state_dict(model.state_dict())
+        copy.zero_grad()
+        (scale * nn.functional.cross_entropy(copy(x), y)).backward()
+        local_norms.append(sum(float(p.grad.double().pow(2).sum()) for p in copy.parameters()))
+        optimizer.zero_grad()
+        (scale * nn.functional.cross_entropy(ddp(x), y)).backward()
+        optimizer.step()
+    return {
+        "decisions": schedule.decisions,
+        "regimes": [s.regime for s in hook.history],
+        "densities": [s.planned_density for s in hook.history],
+        "bytes": [(s.bytes_sent, s.collectives) for s in hook.history],
+        "local_norms": local_norms,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_decides_alike_from_the_ranks_local_gradient_norms(world_size: int) -> None:
+    results = run_ranks(_accordion_on_real_ranks, world_size)
+    first = results[0]
+    for rank, r in enumerate(results):
+        assert r["decisions"] == first["decisions"], rank
+        assert r["regimes"] == first["regimes"] and r["densities"] == first["densities"], rank
+    # the statistic: each interval's root mean square of the ranks' local gradient norms (float32 norms per
+    # parameter, summed in float64, against a float64 reference)
+    for decision in first["decisions"]:
+        steps = range(decision.step - INTERVAL, decision.step)
+        mean = sum(r["local_norms"][s] for r in results for s in steps) / (world_size * INTERVAL)
+        assert decision.norm == pytest.approx(math.sqrt(mean), rel=1e-6), decision
+    regimes = first["regimes"]
+    assert regimes[0] == "warmup" and set(regimes[1 : 2 * INTERVAL]) == {"critical"}
+    assert "relaxed" in regimes[2 * INTERVAL : JUMP]  # calm: compressed at the density
+    assert regimes[JUMP + INTERVAL - JUMP % INTERVAL] == "critical"  # the jump is seen at the next decision
+    assert {d for d, g in zip(first["densities"], regimes, strict=True) if g != "warmup"} == {0.5, 0.05}
+    # a decision costs one collective of two float64 numbers, once per interval
+    for step in range(2 * INTERVAL, STEPS - 1, INTERVAL):
+        if regimes[step] == regimes[step + 1]:
+            (sent, calls), (after, after_calls) = first["bytes"][step], first["bytes"][step + 1]
+            assert (sent - after, calls - after_calls) == (16, 1), step

@@ -1,0 +1,95 @@
+"""The compact index sets of sparse payloads: exact round trips for every count, sizes from the count alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import SparsePayload, TopKCompressor
+from lightning_gradcomp.compressors.indices import (
+    decode_indices,
+    encode_indices,
+    encoded_nbytes,
+    index_format,
+    low_bits,
+)
+
+SIZES = (1, 2, 7, 8, 9, 100, 1000, 4097, 61_706, 1_862_000)
+
+
+def _counts(n: int) -> list[int]:
+    """0, 1, d/2 and d (the issue's cases), and the densities the presets send: 0.1%, 1%, 25%."""
+    return sorted({0, 1, n // 2, n, max(1, n // 1000), max(1, n // 100), max(1, n // 4)})
+
+
+def _elias_fano_bits(n: int, k: int) -> int:
+    """Elias-Fano's size in bits as the paper states it: k low parts of l bits, k ones and at most n / 2^l zeros
+    for the high parts (each part padded to whole bytes here)."""
+    low = math.floor(math.log2(n / k)) if 0 < k < n else 0
+    return 8 * (math.ceil(k * low / 8) + math.ceil((k + (n - 1) // 2**low + 1) / 8))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_every_count_round_trips_exactly_in_the_smaller_of_elias_fano_and_a_bitmap(n: int) -> None:
+    generator = torch.Generator().manual_seed(n)
+    for k in _counts(n):
+        indices = torch.randperm(n, generator=generator)[:k].sort().values
+        encoded = encode_indices(indices, n)
+        assert encoded.dtype == torch.uint8 and encoded.numel() == encoded_nbytes(n, k), (n, k)
+        expected = 0 if k == 0 else min(math.ceil(n / 8), _elias_fano_bits(n, k) // 8)
+        assert encoded.numel() == expected, (n, k, index_format(n, k))
+        assert torch.equal(decode_indices(encoded, n, k), indices), (n, k)
+
+
+def test_the_sizes_the_presets_send() -> None:
+    # the MNIST MLP as one unit (1.86M entries) at density 0.001 and 0.01: 11.96 and 8.56 bits an index, not 32
+    assert (low_bits(1_862_000, 1862), encoded_nbytes(1_862_000, 1862)) == (9, 2783)
+    assert (low_bits(1_862_000, 18_620), encoded_nbytes(1_862_000, 18_620)) == (6, 19_930)
+    assert index_format(1_862_000, 18_620) == "elias-fano"
+    # more than about a quarter of the entries: a bitmap of d bits is smaller
+    assert index_format(1000, 300) == "bitmap" and encoded_nbytes(1000, 300) == 125
+    # l = 2: 50 bytes of low bits, ceil((200 + 250) / 8) = 57 of high parts
+    assert index_format(1000, 200) == "elias-fano" and encoded_nbytes(1000, 200) == 107
+    assert (index_format(50, 0), encoded_nbytes(50, 0)) == ("empty", 0)
+
+
+@pytest.mark.parametrize("n", [100, 61_706])
+def test_a_varying_count_takes_the_size_of_its_capacity(n: int) -> None:
+    capacity = n // 100
+    size = encoded_nbytes(n, capacity)
+    generator = torch.Generator().manual_seed(1)
+    for k in (0, 1, capacity // 2, capacity):
+        indices = torch.randperm(n, generator=generator)[:k].sort().values
+        encoded = encode_indices(indices, n, capacity=capacity)
+        assert encoded.numel() == encoded_nbytes(n, k, capacity=capacity) == size
+        assert torch.equal(decode_indices(encoded, n, k, capacity=capacity), indices)
+    with pytest.raises(ValueError, match=f"{capacity + 1} indices do not fit in {capacity} slots"):
+        encode_indices(torch.arange(capacity + 1), n, capacity=capacity)
+
+
+def test_bytes_that_do_not_hold_the_count_are_refused() -> None:
+    encoded = encode_indices(torch.tensor([3, 70, 99]), 100)  # l = 5: 2 bytes of low bits, 1 of high parts
+    with pytest.raises(ValueError, match="3 indices below 100 take 3 bytes, got 2"):
+        decode_indices(encoded[:2], 100, 3)
+    with pytest.raises(ValueError, match="the index bytes hold 3 indices, expected 2"):
+        decode_indices(encode_indices(torch.tensor([3, 70, 99]), 100), 100, 2)
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 61_706])
+@pytest.mark.parametrize("density", [0.001, 0.5, 1.0])
+def test_sparse_payloads_count_what_they_carry(numel: int, density: float) -> None:
+    """A payload's declared size is its wire form's, the entries come back in index order, and the count is d's
+    for density 1 (every entry: a bitmap of d bits)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    codec = TopKCompressor(density)
+    payload = codec.compress(x)
+    wire = payload.to_bytes()
+    assert wire.numel() == payload.nbytes == codec.payload_nbytes(x.shape, x.dtype)
+    assert payload.nbytes == 4 + encoded_nbytes(numel, payload.k) + 4 * payload.k
+    back = SparsePayload.from_bytes(wire, x.shape, x.dtype)
+    order = payload.indices.argsort()
+    assert torch.equal(back.indices, payload.indices[order]) and torch.equal(back.values, payload.values[order])
+    if density == 1.0:
+        assert payload.k == numel and index_format(numel, numel) == "bitmap"
