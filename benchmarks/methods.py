@@ -29,14 +29,33 @@ OURS = (
 TORCH_METHODS = ("dense", "fp16", "powersgd", "powersgd:start-10pct")
 #: PyTorch's advice for ``start_powerSGD_iter``: "start with 10% of total training steps" (powerSGD_hook.py).
 POWERSGD_DOCUMENTED_START = 0.1
+#: The presets' arguments before issue 31 that differ now: the Top-k family at density 0.001 with a 200-step
+#: density warm-up from 25%, float32 values; PowerSGD and ATOMO after 100 dense steps. The tables' earlier rows
+#: (and the variants built on them) were measured with these.
+PREVIOUS_SPARSIFIER = {"density": 0.001, "adaptive": "none", "density_warmup_steps": 200, "wire_precision": None}
+PREVIOUS_DENSE_START = {"adaptive": "none", "warmup_steps": 100}
 #: ``name -> (named strategy, arguments that replace the preset's)``.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Accordion's critical regimes at four times the density instead of ten
+    **{
+        f"{preset}:critical-4x": (preset, {"adaptive_kwargs": {"critical_density": 0.04}})
+        for preset in ("ddp_topk", "ddp_gaussiank", "ddp_gtopk")
+    },
+    # the presets as they were before issue 31
+    **{f"{preset}:previous": (preset, PREVIOUS_SPARSIFIER) for preset in ("ddp_topk", "ddp_gaussiank", "ddp_gtopk")},
+    **{f"{preset}:previous": (preset, PREVIOUS_DENSE_START) for preset in ("ddp_powersgd", "ddp_atomo")},
     # the Top-k presets before issue 14: density 0.001 from the first compressed step, logits compressed
-    "ddp_topk:no-warmup": ("ddp_topk", {"density_warmup_steps": 0, "keep_last_layer_dense": False}),
-    "ddp_gtopk:no-warmup": ("ddp_gtopk", {"density_warmup_steps": 0, "keep_last_layer_dense": False}),
+    "ddp_topk:no-warmup": (
+        "ddp_topk",
+        {**PREVIOUS_SPARSIFIER, "density_warmup_steps": 0, "keep_last_layer_dense": False},
+    ),
+    "ddp_gtopk:no-warmup": (
+        "ddp_gtopk",
+        {**PREVIOUS_SPARSIFIER, "density_warmup_steps": 0, "keep_last_layer_dense": False},
+    ),
     # DGC's momentum correction (momentum 0.9 on each rank before sparsifying; the optimizer adds none to
-    # the compressed parameters)
-    "ddp_topk:momentum-correction": ("ddp_topk", {"memory_kwargs": {"momentum": 0.9}}),
+    # the compressed parameters), on the preset before issue 31
+    "ddp_topk:momentum-correction": ("ddp_topk", {**PREVIOUS_SPARSIFIER, "memory_kwargs": {"momentum": 0.9}}),
     # DIANA's QSGD without the shifts h_i: the memoryless baseline of Mishchenko et al.'s comparison (QSGD alone)
     "ddp_diana:no-memory": ("ddp_diana", {"memory": "none"}),
     # the first DIANA preset: inf-norm ternary quantizer, blocks of 1024 (omega = 15.5); without the
@@ -49,14 +68,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # what closed the quickstart's gap (2 ranks, flat teacher-task gradients)
     "ddp_diana:block-64": ("ddp_diana", {"compressor_kwargs": {"block_size": 64}}),
     # the ATOMO preset before issue 14: compressed from step 2 on; and with a larger budget instead
-    # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting)
-    "ddp_atomo:no-dense-warmup": ("ddp_atomo", {"warmup_steps": 1}),
-    "ddp_atomo:no-dense-warmup-budget-8": ("ddp_atomo", {"warmup_steps": 1, "compressor_kwargs": {"budget": 8}}),
-    "ddp_atomo:budget-16": ("ddp_atomo", {"compressor_kwargs": {"budget": 16}}),
-    # random-k at Top-k's density and warm-up, unscaled with error feedback (Stich et al., NeurIPS 2018)
+    # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting), on the preset before issue 31
+    "ddp_atomo:no-dense-warmup": ("ddp_atomo", {"adaptive": "none", "warmup_steps": 1}),
+    "ddp_atomo:no-dense-warmup-budget-8": (
+        "ddp_atomo",
+        {"adaptive": "none", "warmup_steps": 1, "compressor_kwargs": {"budget": 8}},
+    ),
+    "ddp_atomo:budget-16": ("ddp_atomo", {**PREVIOUS_DENSE_START, "compressor_kwargs": {"budget": 16}}),
+    # random-k at Top-k's density and warm-up before issue 31, unscaled with error feedback (Stich et al., 2018)
     "ddp_topk:randomk": (
         "ddp_topk",
-        {"compressor": "randomk", "density": 0.001, "compressor_kwargs": {"scaled": False}},
+        {**PREVIOUS_SPARSIFIER, "compressor": "randomk", "compressor_kwargs": {"scaled": False}},
     ),
     # hierarchy="node" (dense inside a node, compressed between nodes; network.py --nodes): the node's local
     # ranks share the units (sharded), or local rank 0 compresses them all (leader)
@@ -81,21 +103,31 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         )
     },
     **{
+        f"{preset}:{kind}{density}": (preset, {"density": float(density), "density_warmup_steps": 0, **extra})
+        for preset in ("ddp_topk", "ddp_gaussiank", "ddp_gtopk")
+        for density in ("0.003", "0.01", "0.05")
+        for kind, extra in (
+            ("d", {}),
+            ("acc", {"adaptive": "accordion"}),
+            ("dense-acc", {"adaptive": "accordion", "adaptive_kwargs": {"critical_density": None}}),
+        )
+    },
+    **{
         f"{preset}:accordion{suffix}": (preset, {"warmup_steps": 1, "adaptive": "accordion", "adaptive_kwargs": kwargs})
         for preset in ("ddp_terngrad", "ddp_powersgd", "ddp_atomo", "ddp_diana", "ddp_efsign")
         for suffix, kwargs in (("", {}), ("-i25", {"interval": 25}))
     },
     # PowerSGD compressed from step 2 on, as the PyTorch peer here is (start_powerSGD_iter=2): for timing side by side
-    "ddp_powersgd:start-2": ("ddp_powersgd", {"warmup_steps": 2}),
+    "ddp_powersgd:start-2": ("ddp_powersgd", {"adaptive": "none", "warmup_steps": 2}),
     # the same, each matrix in units of its own: two collectives per matrix instead of two per group
-    "ddp_powersgd:start-2-layer": ("ddp_powersgd", {"warmup_steps": 2, "granularity": "layer"}),
+    "ddp_powersgd:start-2-layer": ("ddp_powersgd", {"adaptive": "none", "warmup_steps": 2, "granularity": "layer"}),
 }
 DEFAULT_METHODS = ",".join((*TORCH_METHODS, *OURS))
 #: Methods with no named strategy of their own, measured as variants next to the presets (DIANA's
 #: ternary quantizer, random-k).
 UNNAMED_METHODS = ("ddp_diana:ternary", "ddp_topk:randomk")
 #: What makes a preset start in its steady compressed state: compressed from step 2, at its final density.
-AFTER_WARMUPS: dict[str, Any] = {"warmup_steps": 1, "density_warmup_steps": 0}
+AFTER_WARMUPS: dict[str, Any] = {"warmup_steps": 1, "density_warmup_steps": 0, "adaptive": "none"}
 
 
 def strategy_arguments(method: str) -> dict[str, Any]:

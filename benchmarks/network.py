@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from methods import AFTER_WARMUPS, DEFAULT_METHODS, attach, check_methods
-from workloads import MODELS, build_model
+from workloads import MODELS, build_model, loss, random_batch
 
 SUBNET = "10.213.0"
 PORT = 29561
@@ -80,12 +80,11 @@ class Result:
     note: str = ""
 
 
-def _batches(rank: int, batch: int, count: int, shape: tuple[int, ...]):
+def _batches(rank: int, batch: int, count: int, model: str):
     import torch
 
     gen = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.randn(batch, *shape, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
-            for _ in range(count)]  # fmt: skip
+    return [random_batch(model, batch, gen) for _ in range(count)]
 
 
 def _link_tx_bytes() -> int:
@@ -97,7 +96,6 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: train every method for ``--steps`` timed steps; rank 0 writes the results."""
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_gradcomp.adaptive import Accordion
@@ -105,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    batches = _batches(rank, args.batch, args.steps + args.warmup, MODELS[args.model][1])
+    batches = _batches(rank, args.batch, args.steps + args.warmup, args.model)
     results = []
     for method in args.methods.split(","):
         torch.manual_seed(0)
@@ -125,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
             for step in range(first, first + count):
                 x, y = batches[step % len(batches)]
                 optimizer.zero_grad()
-                nn.functional.cross_entropy(ddp(x), y).backward()
+                loss(args.model, ddp(x), y).backward()
                 optimizer.step()
             dist.barrier()
             return time.perf_counter() - start
@@ -179,18 +177,17 @@ def worker(args: argparse.Namespace) -> None:
 def single_process_throughput(args: argparse.Namespace) -> float:
     """Images/s of one process training the same model with no communication at all."""
     import torch
-    from torch import nn
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(args.model, args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    batches = _batches(0, args.batch, args.steps + args.warmup, MODELS[args.model][1])
+    batches = _batches(0, args.batch, args.steps + args.warmup, args.model)
     for step, (x, y) in enumerate(batches):
         if step == args.warmup:
             start = time.perf_counter()
         optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss(args.model, model(x), y).backward()
         optimizer.step()
     return args.batch * args.steps / (time.perf_counter() - start)
 

@@ -41,13 +41,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import workloads
 from methods import DEFAULT_METHODS, VARIANTS, attach, check_methods, powersgd_start
 from paired import paired_difference, verdict
-from workloads import MODELS, build_model
+from workloads import CONTEXT, MODELS, build_model, markov_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "mnist"
 DEFAULT_TRAIN_METHODS = ",".join((DEFAULT_METHODS, *VARIANTS))
+#: Windows of ``CONTEXT + 1`` tokens the language model's corpus holds (train and validation).
+LM_WINDOWS = 8192
 
 # ---------------------------------------------------------------- training curves (real ranks)
 
@@ -59,6 +62,14 @@ def _mnist(data_dir: str, holdout: int) -> tuple[Any, Any]:
     data = MNISTDataModule(data_dir, train_split="t10k", holdout=holdout)
     data.setup("fit")
     return data.train_set.tensors, data.val_set.tensors
+
+
+def _text(holdout: int) -> tuple[Any, Any]:
+    """(train, validation) windows of the generated corpus (``workloads.markov_corpus``): inputs and next tokens,
+    ``holdout`` windows of ``CONTEXT + 1`` tokens kept for validation."""
+    tokens = markov_corpus(LM_WINDOWS * (CONTEXT + 1)).reshape(LM_WINDOWS, CONTEXT + 1)
+    train, val = tokens[:-holdout], tokens[-holdout:]
+    return (train[:, :-1], train[:, 1:]), (val[:, :-1], val[:, 1:])
 
 
 def _batches(seed: int, n: int, global_batch: int, steps: int):
@@ -74,19 +85,30 @@ def _batches(seed: int, n: int, global_batch: int, steps: int):
         position += global_batch
 
 
-def _accuracy(model, val, rank: int, world: int) -> float:
-    """Validation accuracy in percent: every rank scores its share, the counts are summed."""
+def _validate(model, name: str, val, rank: int, world: int) -> float:
+    """Validation accuracy in percent (the language model: mean loss per token, nats): every rank scores its
+    share, the sums are summed."""
     import torch
     import torch.distributed as dist
 
     x, y = val[0][rank::world], val[1][rank::world]
     model.eval()
     with torch.no_grad():
-        correct = sum(int((model(x[i : i + 500]).argmax(1) == y[i : i + 500]).sum()) for i in range(0, len(x), 500))
+        if name == "lm":
+            score = sum(float(workloads.loss(name, model(x[i : i + 64]), y[i : i + 64])) * y[i : i + 64].numel()
+                        for i in range(0, len(x), 64))  # fmt: skip
+            counts = torch.tensor([score, y.numel()], dtype=torch.float64)
+        else:
+            correct = sum(int((model(x[i : i + 500]).argmax(1) == y[i : i + 500]).sum()) for i in range(0, len(x), 500))
+            counts = torch.tensor([100.0 * correct, len(x)], dtype=torch.float64)
     model.train()
-    counts = torch.tensor([correct, len(x)], dtype=torch.float64)
     dist.all_reduce(counts)
-    return 100.0 * float(counts[0] / counts[1])
+    return float(counts[0] / counts[1])
+
+
+def metric_sign(curves: dict) -> float:
+    """+1 when the curves' metric is an accuracy (higher is better), -1 for a validation loss."""
+    return -1.0 if curves.get("metric") == "loss" else 1.0
 
 
 def _parameter_groups(model, hook, momentum: float) -> list[dict]:
@@ -102,7 +124,6 @@ def _parameter_groups(model, hook, momentum: float) -> list[dict]:
 
 def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int, world: int) -> dict:
     import torch
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
     (train_x, train_y), val = data
@@ -110,7 +131,10 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     model = build_model(args.model)
     ddp = DistributedDataParallel(model)
     hook = attach(method, ddp, model, seed=seed, steps=args.steps)
-    optimizer = torch.optim.SGD(_parameter_groups(model, hook, args.momentum), lr=args.lr)
+    if args.model == "lm":  # a Transformer: AdamW, as such models are trained
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    else:
+        optimizer = torch.optim.SGD(_parameter_groups(model, hook, args.momentum), lr=args.lr)
     # linear learning-rate warm-up (Goyal et al., 2017, Sec. 2.2): 0 -> lr over the first --lr-warmup steps
     warmup = max(args.lr_warmup, 0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0)
@@ -118,11 +142,11 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
         mine = indices[rank * args.batch : (rank + 1) * args.batch]
         optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(train_x[mine]), train_y[mine]).backward()
+        workloads.loss(args.model, ddp(train_x[mine]), train_y[mine]).backward()
         optimizer.step()
         schedule.step()
         if step % args.eval_every == 0 or step == args.steps:
-            curve.append((step, _accuracy(model, val, rank, world)))
+            curve.append((step, _validate(model, args.model, val, rank, world)))
     compressed = [s for s in hook.history if not s.warmup] if hook is not None else []
     return {
         "curve": curve,
@@ -159,16 +183,17 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
                             timeout=timedelta(seconds=args.timeout))  # fmt: skip
     failure = None
     try:
-        data = _mnist(args.data_dir, args.holdout)
+        data = _text(args.holdout) if args.model == "lm" else _mnist(args.data_dir, args.holdout)
         settings = ("model", "ranks", "batch", "lr", "lr_warmup", "momentum", "steps", "eval_every", "seeds")
         report: dict[str, Any] = {key: getattr(args, key) for key in settings}
+        report["metric"] = "loss" if args.model == "lm" else "accuracy"
         report["holdout"], report["runs"] = args.holdout, {}
         for seed in args.seeds:
             for method in args.methods.split(","):
                 result = _train_one(method, seed, args, data, rank, world)
                 if rank == 0:
                     report["runs"].setdefault(method, {})[str(seed)] = result
-                    print(f"{method} seed {seed}: {result['final']:.2f}% ({result['seconds']:.0f} s)",
+                    print(f"{method} seed {seed}: {result['final']:.3f} ({result['seconds']:.0f} s)",
                           file=sys.stderr, flush=True)  # fmt: skip
                     Path(args.json).write_text(json.dumps(report, indent=1))  # after every run: partial results kept
     except Exception:
@@ -194,9 +219,10 @@ def train(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- combining curves and step times
 
 
-def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
-    """The first evaluated step whose validation accuracy is at least ``target`` (``None``: never)."""
-    return next((step for step, accuracy in curve if accuracy >= target), None)
+def steps_to_target(curve: list[tuple[int, float]], target: float, sign: float = 1.0) -> int | None:
+    """The first evaluated step whose validation accuracy is at least ``target`` (``None``: never); with
+    ``sign=-1``, whose validation loss is at most ``target``."""
+    return next((step for step, value in curve if sign * value >= sign * target), None)
 
 
 def elapsed_seconds(measured: dict, steps: int, phases: list[list] | None = None) -> float:
@@ -253,9 +279,10 @@ def final_accuracy(curve: list[tuple[int, float]], window: int) -> float:
 
 
 def dense_targets(curves: dict, below: float, window: int = 0) -> dict[str, float]:
-    """``seed -> plain DDP's final accuracy with that seed minus below``: each seed's target is set by
-    the dense run it is paired with."""
-    return {seed: final_accuracy(run["curve"], window) - below for seed, run in curves["runs"]["dense"].items()}
+    """``seed -> plain DDP's final accuracy with that seed minus below`` (a loss: plus ``below``): each seed's
+    target is set by the dense run it is paired with."""
+    sign = metric_sign(curves)
+    return {seed: final_accuracy(run["curve"], window) - sign * below for seed, run in curves["runs"]["dense"].items()}
 
 
 def time_to_target(curves: dict, network: dict, rate: str, targets: dict[str, float]) -> dict[str, dict]:
@@ -270,7 +297,7 @@ def time_to_target(curves: dict, network: dict, rate: str, targets: dict[str, fl
     for method, runs in curves["runs"].items():
         if method not in measured:
             continue
-        steps = {seed: steps_to_target(run["curve"], targets[seed]) for seed, run in runs.items()}
+        steps = {seed: steps_to_target(run["curve"], targets[seed], metric_sign(curves)) for seed, run in runs.items()}
         seconds = {seed: None if s is None else elapsed_seconds(measured[method], s, runs[seed].get("phases"))
                    for seed, s in steps.items()}  # fmt: skip
         reached = [s for s in seconds.values() if s is not None]
@@ -295,12 +322,15 @@ def finals(curves: dict, window: int = 0) -> dict[str, dict[int, float]]:
 
 
 def parity(curves: dict, tolerance: float, window: int = 0) -> dict[str, dict]:
-    """Final accuracy of every method against plain DDP's, paired by seed, with the 95% interval and verdict."""
+    """Final accuracy of every method against plain DDP's, paired by seed, with the 95% interval and verdict (for a
+    loss, the difference is dense's loss minus the method's: negative is worse, as for an accuracy)."""
     accuracy = finals(curves, window)
+    sign = metric_sign(curves)
     rows = {}
     for method, by_seed in accuracy.items():
         values = list(by_seed.values())
-        mean, half, n = paired_difference(by_seed, accuracy["dense"])
+        signed = {s: sign * v for s, v in by_seed.items()}
+        mean, half, n = paired_difference(signed, {s: sign * v for s, v in accuracy["dense"].items()})
         rows[method] = {
             "mean": statistics.mean(values),
             "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -349,13 +379,16 @@ def report(args: argparse.Namespace) -> int:
     window = args.final_window
     console, out = Console(width=170), {"parity": parity(curves, args.tolerance, window), "links": {}}
     dense_final = statistics.mean(finals(curves, window)["dense"].values())
-    targets = [dense_final - below for below in args.below]  # for the plot: the mean of the per-seed targets
+    sign = metric_sign(curves)
+    targets = [dense_final - sign * below for below in args.below]  # for the plot: the mean of the per-seed targets
+    what, unit = ("validation loss", "nats") if sign < 0 else ("accuracy", "points")
     seeds = len(curves["seeds"])
 
-    table = Table(title=f"{curves['model']} / MNIST, {curves['ranks']} ranks x {curves['batch']}, {curves['steps']} "
-                        f"steps: final accuracy (mean over the last {window} steps) against plain DDP "
+    table = Table(title=f"{curves['model']}, {curves['ranks']} ranks x {curves['batch']}, {curves['steps']} "
+                        f"steps: final {what} (mean over the last {window} steps) against plain DDP "
                         f"({seeds} seeds), paired by seed")  # fmt: skip
-    for column in ("method", "seeds", "final acc % (mean +- sd)", "vs dense (points)", "95% interval", "verdict"):
+    for column in ("method", "seeds", f"final {what} (mean +- sd)", f"vs dense ({unit}, + better)", "95% interval",
+                   "verdict"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("method", "verdict") else "right")
     for method, row in out["parity"].items():
         low, high = row["difference"] - row["half_width"], row["difference"] + row["half_width"]
@@ -364,6 +397,8 @@ def report(args: argparse.Namespace) -> int:
                       f"[{low:+.2f}, {high:+.2f}]" if method != "dense" else "-",
                       f"{row['verdict']} (tolerance {args.tolerance})" if row["verdict"] else "")  # fmt: skip
     console.print(table)
+    if args.decisions_png:
+        plot_decisions(curves, args.decisions_png)
     if network is None:
         _write(args, out)
         return 0
@@ -372,14 +407,15 @@ def report(args: argparse.Namespace) -> int:
         out["links"][rate] = {f"{b}": time_to_target(curves, network, rate, dense_targets(curves, b, window))
                               for b in args.below}  # fmt: skip
         table = Table(title=f"Time to accuracy, links shaped to {rate}: steps to target x s/step measured by "
-                            f"network.py; target: plain DDP's final accuracy with the same seed (mean "
-                            f"{dense_final:.2f}%) minus {' or '.join(map(str, args.below))} points")  # fmt: skip
+                            f"network.py; target: plain DDP's final {what} with the same seed (mean "
+                            f"{dense_final:.3f}) {'minus' if sign > 0 else 'plus'} {' or '.join(map(str, args.below))} "
+                            f"{unit}")  # fmt: skip
         table.add_column("method", justify="left")
         table.add_column("s/step", justify="right")
         for b in args.below:
             for column in (f"steps to -{b}", f"s to -{b}", "x dense"):
                 table.add_column(column, justify="right")
-        table.add_column("final acc %", justify="right")
+        table.add_column(f"final {what}", justify="right")
         first = out["links"][rate][f"{args.below[0]}"]
         for method in first:
             cells = [method, f"{first[method]['seconds_per_step']:.3f}"]
@@ -397,6 +433,37 @@ def report(args: argparse.Namespace) -> int:
         plot(curves, network, targets, args.png, args.loopback)
     _write(args, out)
     return 0
+
+
+def plot_decisions(curves: dict, path: str) -> None:
+    """Bytes each rank sent per step against the step, one line per method with recorded phases (the first seed's
+    run): where a schedule (a warm-up, Accordion's regimes) compressed less, and for how long."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (method, runs) in enumerate(curves["runs"].items()):
+        run = runs[min(runs, key=int)]
+        if not run.get("phases"):
+            continue
+        steps, sent, start = [], [], 1
+        for _, _, _, count, mean_bytes in run["phases"]:
+            steps += [start, start + count - 1]
+            sent += [mean_bytes, mean_bytes]
+            start += count
+        ax.plot(steps, sent, label=method, color=colors[i % len(colors)], linewidth=1.4)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("bytes sent per rank per step (mean of each phase)")
+    ax.set_title(f"{curves['model']}, {curves['ranks']} ranks: what each schedule sent (seed {min(curves['seeds'])})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def _write(args: argparse.Namespace, out: dict) -> None:
@@ -436,9 +503,13 @@ def plot(curves: dict, network: dict, targets: list[float], path: str, loopback:
         for t in targets:
             ax.axhline(t, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
-        ax.set_ylim(max(0.0, min(targets) - 8), 100)
+        if metric_sign(curves) > 0:
+            ax.set_ylim(max(0.0, min(targets) - 8), 100)
+            ax.set_ylabel("validation accuracy %")
+        else:
+            ax.set_ylim(min(targets) - 0.3, max(targets) + 1.5)
+            ax.set_ylabel("validation loss (nats per token)")
         ax.set_xlabel(f"wall-clock seconds on {rate} links (steps x s/step)")
-        ax.set_ylabel("validation accuracy %")
         ax.set_title(f"{curves['model']}, {curves['ranks']} ranks, {rate}")
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -452,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     t = commands.add_parser("train", help="accuracy curves of every method and seed (real gloo ranks)")
-    t.add_argument("--model", default="lenet", choices=["lenet", "mnist-mlp"])
+    t.add_argument("--model", default="lenet", choices=["lenet", "mnist-mlp", "lm"])
     t.add_argument("--methods", default=DEFAULT_TRAIN_METHODS)
     t.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     t.add_argument("--ranks", type=int, default=4)
@@ -463,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--momentum", type=float, default=0.9)
     t.add_argument("--lr-warmup", type=int, default=0, help="steps of linear learning-rate warm-up from 0")
     t.add_argument("--data-dir", default=str(DEFAULT_DATA))
-    t.add_argument("--holdout", type=int, default=2000, help="last images of t10k used for validation")
+    t.add_argument("--holdout", type=int, default=2000,
+                   help="last images of t10k (lm: windows of the corpus) used for validation")  # fmt: skip
     t.add_argument("--timeout", type=float, default=600, help="process group timeout, seconds")
     t.add_argument("--json", required=True)
     r = commands.add_parser("report", help="combine curves with network.py's step times; tables and a PNG")
@@ -476,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="final accuracy: mean of the evaluations in the last N steps (0: the last one)")  # fmt: skip
     r.add_argument("--loopback", action="store_true", help="also report the unshaped links ('none')")
     r.add_argument("--png")
+    r.add_argument("--decisions-png", help="bytes per step against the step for every method with recorded phases")
     r.add_argument("--json")
     args = parser.parse_args(argv)
     if args.command == "train":

@@ -10,24 +10,25 @@ from typing import Any
 
 from lightning.fabric.strategies import _StrategyRegistry
 
-#: Compressed steps of the Top-k family's density warm-up in the presets (see :mod:`lightning_gradcomp.schedule`).
-PRESET_DENSITY_WARMUP_STEPS = 200
-
-#: Dense steps before ATOMO's first compressed one in its preset: at lr 0.05 / momentum 0.9 LeNet-5's
-#: first ~50 steps are on the edge of stability (plain DDP itself dips to 11% accuracy with one seed),
-#: and budget-3 atoms compressed from step 2 pushed 2 of 8 seeds down to 9-16%, from which they ended
-#: 1-2 points short (benchmarks/README.md, "Time to accuracy"). PyTorch's PowerSGD hook starts dense
-#: for the same reason (``start_powerSGD_iter``).
-PRESET_ATOMO_DENSE_STEPS = 100
-
-#: Dense steps before PowerSGD's first compressed one in its preset: PyTorch's ``start_powerSGD_iter``,
-#: which its documentation suggests setting to about 10% of training (1000 by default there).
-PRESET_POWERSGD_DENSE_STEPS = 100
+#: The Top-k family's density in the presets, outside Accordion's critical regimes (ten times it inside them):
+#: Accordion's own Top-k setting keeps 1% of the entries outside critical regimes (Agarwal et al., MLSys 2021,
+#: Sec. 5). The papers' 0.001 (ImageNet-scale models, many epochs) took a third more steps to reach plain DDP's
+#: accuracy on LeNet-5 and the MNIST MLP (benchmarks/README.md, "Time to accuracy"), and an Elias-Fano index with
+#: a bfloat16 value costs about 3 bytes an entry, so 1% of a gradient is about 1/130 of its dense bytes.
+PRESET_SPARSE_DENSITY = 0.01
 
 #: What every compressed preset shares: the logits layer stays dense (TernGrad's authors' practice;
 #: it is small and its gradient is the one every class's error flows through).
 _LAST_LAYER_DENSE = {"keep_last_layer_dense": True}
-_SPARSIFIER = {"memory": "ef", "granularity": "model", "density_warmup_steps": PRESET_DENSITY_WARMUP_STEPS}
+#: Adaptive compression (Accordion): critical regimes, detected from the gradient norm's changes, are compressed
+#: less (a sparsifier ten times denser) or averaged densely (PowerSGD, ATOMO), instead of a fixed number of dense or
+#: warm-up steps tuned on one model. The first two intervals (100 steps) are critical.
+_ADAPTIVE = {"adaptive": "accordion"}
+#: The Top-k family: error feedback, one unit for the whole model (the authors' setting), Accordion, values in
+#: bfloat16 on the wire (error feedback keeps the rounding; bfloat16 has float32's range, so gradients scaled by a
+#: loss scaler cannot overflow it).
+_SPARSIFIER = {"density": PRESET_SPARSE_DENSITY, "memory": "ef", "granularity": "model", "wire_precision": "bf16",
+               **_ADAPTIVE}  # fmt: skip
 
 #: The half-precision dense presets: every parameter (none too small) in size-capped groups, as DDP's buckets.
 _HALF_WIRE = {"compressor": "none", "memory": "none", "aggregator": "allreduce", "granularity": "group",
@@ -41,14 +42,8 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "ddp_atomo": (
         "Spectral ATOMO: unbiased sampling of rank-1 SVD atoms (budget 3), allgather of variable-size payloads; "
-        f"{PRESET_ATOMO_DENSE_STEPS} dense steps first, last layer dense",
-        {
-            "compressor": "atomo",
-            "memory": "none",
-            "aggregator": "allgather",
-            "warmup_steps": PRESET_ATOMO_DENSE_STEPS,
-            **_LAST_LAYER_DENSE,
-        },
+        "dense in Accordion's critical regimes, last layer dense",
+        {"compressor": "atomo", "memory": "none", "aggregator": "allgather", **_ADAPTIVE, **_LAST_LAYER_DENSE},
     ),
     "ddp_diana": (
         "DIANA: compressed gradient differences with per-rank shifts, QSGD with 7 levels (4 bits per element, a "
@@ -72,24 +67,24 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "ddp_gaussiank": (
         "Gaussian_k: O(d) threshold selection with error feedback, k/2 to k entries in k fixed slots, allgather; "
-        "density warm-up, last layer dense",
+        "density 0.01 (0.1 in Accordion's critical regimes), bfloat16 values, last layer dense",
         {"compressor": "gaussiank", "aggregator": "allgather", **_SPARSIFIER, **_LAST_LAYER_DENSE},
     ),
     "ddp_gtopk": (
-        "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P); density warm-up, "
-        "last layer dense",
+        "gTop-k: Top-k with error feedback, sparse butterfly aggregation in O(k log P); density 0.01 (0.1 in "
+        "Accordion's critical regimes), bfloat16 values, last layer dense",
         {"compressor": "topk", "aggregator": "gtopk", **_SPARSIFIER, **_LAST_LAYER_DENSE},
     ),
     "ddp_powersgd": (
         "PowerSGD: rank-4 approximations by one warm-started power iteration with error feedback, two "
-        f"allreduces per group of matrices; {PRESET_POWERSGD_DENSE_STEPS} dense steps first, last layer dense",
+        "allreduces per group of matrices; dense in Accordion's critical regimes, last layer dense",
         {
             "compressor": "powersgd",
             "compressor_kwargs": {"rank": 4},
             "memory": "ef",
             "aggregator": "allreduce",
             "granularity": "group",
-            "warmup_steps": PRESET_POWERSGD_DENSE_STEPS,
+            **_ADAPTIVE,
             **_LAST_LAYER_DENSE,
         },
     ),
@@ -98,7 +93,8 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"compressor": "terngrad", "memory": "none", "aggregator": "auto", **_LAST_LAYER_DENSE},
     ),
     "ddp_topk": (
-        "Top-k sparsification with error feedback, allgather of sparse payloads; density warm-up, last layer dense",
+        "Top-k sparsification with error feedback, allgather of sparse payloads; density 0.01 (0.1 in Accordion's "
+        "critical regimes), bfloat16 values, last layer dense",
         {"compressor": "topk", "aggregator": "allgather", **_SPARSIFIER, **_LAST_LAYER_DENSE},
     ),
 }

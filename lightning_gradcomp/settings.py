@@ -105,11 +105,6 @@ class CompressionSettings:
             compressor_args["density"] = density
         self.compressor = build_compressor(compressor, **compressor_args)
         if wire_precision is not None:
-            if aggregator == "gtopk":
-                raise ValueError(
-                    f"wire_precision={wire_precision!r} with aggregator='gtopk': the butterfly sums entries in the "
-                    "messages' precision at every round; use aggregator='allgather'"
-                )
             self.compressor = WirePrecision(self.compressor, wire_precision)
         check_choice("memory", memory, sorted(MEMORIES))
         memory_args = dict(memory_kwargs or {})

@@ -169,3 +169,38 @@ def test_every_rank_decides_alike_from_the_ranks_local_gradient_norms(world_size
         if regimes[step] == regimes[step + 1]:
             (sent, calls), (after, after_calls) = first["bytes"][step], first["bytes"][step + 1]
             assert (sent - after, calls - after_calls) == (16, 1), step
+
+
+def _fit_with_monitor(rank: int, world_size: int, root: str) -> dict:
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from models import TinyClassifier
+    from torch.utils.data import DataLoader
+
+    from lightning_gradcomp import CompressionMonitor
+
+    pl.seed_everything(0, verbose=False)
+    strategy = GradCompStrategy(density=0.05, min_compress_numel=256, adaptive="accordion",
+                                adaptive_kwargs={"interval": 4, "threshold": 10.0})  # fmt: skip
+    logger = CSVLogger(root, name="csv")
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=16, logger=logger,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[CompressionMonitor(every_n_steps=4, print_summary=False)])  # fmt: skip
+    trainer.fit(TinyClassifier(), DataLoader(teacher_task(n=512), batch_size=16))
+    rows = []
+    if rank == 0:
+        with open(f"{logger.log_dir}/metrics.csv", newline="") as handle:
+            rows = [row for row in csv.DictReader(handle) if row.get("gradcomp/critical_fraction")]
+    return {"regimes": [s.regime for s in strategy.gradcomp_hook.history], "rows": rows}
+
+
+def test_the_trainer_strategy_runs_it_and_the_monitor_logs_the_critical_share(tmp_path) -> None:
+    results = run_ranks(_fit_with_monitor, 2, str(tmp_path), init=False)
+    regimes = results[0]["regimes"]
+    assert results[1]["regimes"] == regimes
+    # decisions at steps 4 (nothing to compare), 8 (a change below 10: relaxed) and 12
+    assert regimes == ["warmup"] + ["critical"] * 7 + ["relaxed"] * 8
+    shares = [float(row["gradcomp/critical_fraction"]) for row in results[0]["rows"]]
+    assert shares == [0.75, 1.0, 0.0, 0.0]  # each window of 4 steps: the warm-up step is not critical

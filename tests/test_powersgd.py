@@ -160,7 +160,9 @@ def test_bad_arguments_are_refused_by_name(kwargs: dict, message: str) -> None:
 def test_the_preset_and_what_it_refuses() -> None:
     description, params = NAMED_STRATEGIES["ddp_powersgd"]
     assert params["compressor"] == "powersgd" and params["compressor_kwargs"] == {"rank": 4}
-    assert params["warmup_steps"] > 1 and "dense steps first" in description
+    # dense while Accordion sees a critical regime (the first 100 steps at least), not a fixed number of steps
+    assert params["adaptive"] == "accordion" and "warmup_steps" not in params and "critical regimes" in description
+    assert GradCompStrategy(**params).schedule.critical_density is None
     for aggregator in ("allgather", "gtopk"):
         with pytest.raises(ValueError, match=f"aggregator='{aggregator}' gathers each rank's payload bytes"):
             GradCompStrategy(compressor="powersgd", aggregator=aggregator)

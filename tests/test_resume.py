@@ -36,14 +36,15 @@ def _cases() -> dict[str, dict[str, Any]]:
     cases = {}
     for name, (_, preset) in NAMED_STRATEGIES.items():
         kwargs = dict(preset)
-        kwargs.pop("warmup_steps", None)  # ATOMO's 100 dense first steps would leave the run uncompressed
+        # Accordion's first 100 steps are critical (dense, or ten times denser): its own cases below
+        kwargs.pop("adaptive", None)
         if kwargs["compressor"] in ("topk", "gaussiank"):
             kwargs["density"] = SPARSIFIER_DENSITY
         cases[name] = kwargs
         if kwargs["compressor"] != "none" and not COMPRESSORS[kwargs["compressor"]].needs_layer_shape:
             other = "layer" if kwargs.get("granularity", "layer") == "model" else "model"
             cases[f"{name}/{other}"] = {**kwargs, "granularity": other}
-    # as ATOMO's preset does, dense first: the checkpoint lands in the dense steps, compression starts after it
+    # dense first: the checkpoint lands in the dense steps, compression starts after it
     cases["ddp_atomo/dense-first"] = {**cases["ddp_atomo"], "warmup_steps": N + 2}
     # PowerSGD's Q is drawn at the first compressed step, after the resume: from the seed, not from the checkpoint
     cases["ddp_powersgd/dense-first"] = {**cases["ddp_powersgd"], "warmup_steps": N + 2}
@@ -58,6 +59,7 @@ def _cases() -> dict[str, dict[str, Any]]:
         "adaptive_kwargs": {**every, "critical_density": 0.5},
     }
     cases["ddp_terngrad/accordion"] = {**cases["ddp_terngrad"], **accordion, "adaptive_kwargs": every}
+    cases["ddp_powersgd/accordion"] = {**cases["ddp_powersgd"], **accordion, "adaptive_kwargs": every}
     return cases
 
 

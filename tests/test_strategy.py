@@ -11,9 +11,10 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
+from lightning_gradcomp.adaptive import Accordion
 from lightning_gradcomp.checkpoint import ShardError
 from lightning_gradcomp.compressors import TernGradCompressor
-from lightning_gradcomp.presets import PRESET_DENSITY_WARMUP_STEPS
+from lightning_gradcomp.presets import PRESET_SPARSE_DENSITY
 from lightning_gradcomp.schedule import DensityWarmup
 from lightning_gradcomp.settings import SETTINGS, CompressionSettings
 
@@ -171,16 +172,17 @@ def test_density_warmup_argument_of_the_strategy() -> None:
         GradCompStrategy(density_schedule=[0.004, 0.001], density_warmup_steps=5)
 
 
-def test_presets_warm_up_the_top_k_family_and_keep_the_logits_layer_dense() -> None:
+def test_presets_adapt_the_top_k_family_powersgd_and_atomo_and_keep_the_logits_layer_dense() -> None:
+    adaptive = {"ddp_topk", "ddp_gaussiank", "ddp_gtopk", "ddp_powersgd", "ddp_atomo"}
     for name, (_, params) in NAMED_STRATEGIES.items():
         strategy = StrategyRegistry.get(name)
         # the dense presets (plain, and in half precision) compress no layer
         assert strategy.keep_last_layer_dense == (params["compressor"] != "none"), name
-        sparsifier = params["compressor"] in ("topk", "gaussiank")
-        assert (strategy.density_warmup is not None) == sparsifier, name
-        if sparsifier:
-            assert strategy.density_warmup.target == strategy.compressor.density
-            assert strategy.density_warmup.steps == PRESET_DENSITY_WARMUP_STEPS
+        assert isinstance(strategy.schedule, Accordion) == (name in adaptive), name
+        assert strategy.density_warmup is None and strategy.warmup_steps == 1, name
+        if params["compressor"] in ("topk", "gaussiank"):  # 1% of the entries, 10% in critical regimes, bf16 values
+            assert (strategy.compressor.density, strategy.schedule.critical_density) == (PRESET_SPARSE_DENSITY, 0.1)
+            assert repr(strategy.compressor).endswith("'bf16')"), name
 
 
 def test_the_strategy_spells_out_the_settings_as_compression_settings_takes_them() -> None:

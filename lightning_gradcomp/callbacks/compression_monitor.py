@@ -44,10 +44,12 @@ class _Totals:
     seconds_decompress: float = 0.0
     seconds_step: float = 0.0
     nonfinite_units: float = 0.0
+    critical_steps: float = 0.0
 
     def add(self, stats: StepStats) -> None:
         self.steps += 1
         self.compressed_steps += stats.compressed
+        self.critical_steps += stats.regime == "critical"
         self.bytes_sent += stats.bytes_sent
         self.bytes_received += stats.bytes_received
         self.dense_bytes += stats.dense_bytes
@@ -131,6 +133,8 @@ class CompressionMonitor(pl.Callback):
       ratio includes every overhead: indices, scalers, size exchanges, padding);
     - ``gradcomp/bits_per_element``: ``8 * bytes_sent / elements``, all ranks;
     - ``gradcomp/density``: entries sent over entries compressed (sparse payloads only);
+    - ``gradcomp/critical_fraction``: under adaptive compression (``adaptive="accordion"``), the share
+      of the window's steps in a critical regime (compressed less, or dense);
     - ``gradcomp/time_compress``, ``gradcomp/time_communicate``, ``gradcomp/time_decompress``:
       shares of the step time (``on_train_batch_start`` to ``on_train_batch_end``, forward,
       backward and optimizer included), summed over ranks; ``gradcomp/step_seconds``, that step
@@ -280,9 +284,10 @@ class CompressionMonitor(pl.Callback):
         per_rank = [_Totals.from_vector(row[:-1]) for row in gathered]
         if not per_rank or per_rank[0].steps == 0:
             return
-        log_to_loggers(trainer, self._metrics(per_rank, [row[-1] for row in gathered]), trainer.global_step)
+        metrics = self._metrics(per_rank, [row[-1] for row in gathered], hook.schedule.observes)
+        log_to_loggers(trainer, metrics, trainer.global_step)
 
-    def _metrics(self, per_rank: list[_Totals], norm_squares: list[float]) -> dict[str, float]:
+    def _metrics(self, per_rank: list[_Totals], norm_squares: list[float], adaptive: bool) -> dict[str, float]:
         total = _Totals()
         for totals in per_rank:
             total.merge(totals)
@@ -304,6 +309,8 @@ class CompressionMonitor(pl.Callback):
                 metrics[f"{p}bytes_sent_rank{rank}"] = totals.bytes_sent / totals.steps
         if total.selected and total.numel_compressed:
             metrics[f"{p}density"] = total.selected / total.numel_compressed
+        if adaptive:
+            metrics[f"{p}critical_fraction"] = total.critical_steps / total.steps
         if all(sq >= 0 for sq in norm_squares):
             metrics[f"{p}residual_norm"] = math.sqrt(sum(norm_squares))
         return metrics

@@ -28,7 +28,10 @@ like ``P``. Otherwise the first ``P - P'`` ranks pay one extra message each way,
 ranks send and receive one message in all. All units of a call travel in one
 message per round; each unit has a fixed size (a count, the indices as a sorted set in the format
 and size of ``k`` of them, :mod:`~lightning_gradcomp.compressors.indices`, then ``k`` value slots,
-zero-padded), so no sizes are exchanged.
+zero-padded), so no sizes are exchanged. Under a wire precision (``wire_precision="bf16"``) the values
+travel in it, and every rank rounds what it holds to it before each round, its own set included, so
+that both partners of a merge sum the same numbers and hold the same set; sums are taken in the
+values' own dtype.
 
 What reached the result (``Aggregate.sent``, which error feedback subtracts from ``acc``): a
 local entry reached the global sum only if its index survived *every* merge along its owner's
@@ -56,6 +59,7 @@ from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, Contribut
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.compressors import IdentityCompressor, SparseEntries, SparsePayload
 from lightning_gradcomp.compressors.indices import decode_indices, encode_indices, encoded_nbytes
+from lightning_gradcomp.compressors.precision import CastPayload
 from lightning_gradcomp.compressors.sparse import itemsize
 from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
@@ -119,16 +123,23 @@ def merge(a: SparseSet, b: SparseSet, k: int) -> SparseSet:
 
 @dataclass(frozen=True)
 class _Unit:
-    """Wire layout of one contribution: a count, the indices in the format of ``k`` of them, ``k`` value slots
-    (and ``k`` flags)."""
+    """Wire layout of one contribution: a count, the indices in the format of ``k`` of them, ``k`` value slots in
+    the ``wire`` dtype (and ``k`` flags); ``dtype`` is the values' own, in which merges sum."""
 
     numel: int
     k: int
     dtype: torch.dtype
+    wire: torch.dtype
 
     def nbytes(self, flags: bool = False) -> int:
         indices = encoded_nbytes(self.numel, self.k, capacity=self.k)
-        return itemsize(_COUNT_DTYPE) + indices + self.k * (itemsize(self.dtype) + int(flags))
+        return itemsize(_COUNT_DTYPE) + indices + self.k * (itemsize(self.wire) + int(flags))
+
+    def rounded(self, entries: SparseSet) -> SparseSet:
+        """``entries`` with their values as the wire carries them (rounded to ``wire`` and back)."""
+        if self.wire == self.dtype:
+            return entries
+        return SparseSet(entries.indices, entries.values.to(self.wire).to(self.dtype))
 
 
 def _padded(t: Tensor, length: int, dtype: torch.dtype) -> Tensor:
@@ -144,7 +155,7 @@ def _pack(sets: Sequence[SparseSet], units: Sequence[_Unit], flags: Sequence[Ten
         device = entries.values.device
         parts.append(torch.tensor([entries.indices.numel()], dtype=_COUNT_DTYPE, device=device))
         parts.append(encode_indices(entries.indices, unit.numel, capacity=unit.k))
-        parts.append(_padded(entries.values, unit.k, unit.dtype))
+        parts.append(_padded(entries.values.to(unit.wire), unit.k, unit.wire))
         if flags is not None:
             parts.append(_padded(flags[i], unit.k, torch.uint8))
     return to_bytes(parts)
@@ -160,7 +171,7 @@ def _unpack(buffer: Tensor, units: Sequence[_Unit], flags: bool = False) -> tupl
             raise RuntimeError(f"gtopk message holds {count} entries for a unit of at most {unit.k}")
         encoded = reader.take(encoded_nbytes(unit.numel, unit.k, capacity=unit.k), torch.uint8)
         indices = decode_indices(encoded, unit.numel, count, capacity=unit.k)
-        values = reader.take(unit.k, unit.dtype)[:count].clone()
+        values = reader.take(unit.k, unit.wire)[:count].to(unit.dtype)
         sets.append(SparseSet(indices, values))
         if flags:
             masks.append(reader.take(unit.k, torch.uint8)[:count].bool())
@@ -212,6 +223,15 @@ class PointToPoint:
         return out
 
 
+def _sparse_and_wire(payload: object) -> tuple[SparsePayload, torch.dtype]:
+    """A contribution's sparse payload and the dtype its values travel in (a wire precision's, or their own)."""
+    if isinstance(payload, CastPayload) and isinstance(payload.inner, SparsePayload):
+        return payload.inner, payload.wire
+    if not isinstance(payload, SparsePayload):
+        raise ValueError(f"gtopk needs SparsePayload contributions, got {type(payload).__name__}")
+    return payload, payload.dtype
+
+
 def _density(codec: object) -> float:
     density = getattr(codec, "density", None)
     try:
@@ -254,20 +274,21 @@ class GTopKAggregator(Aggregator):
                     "(use aggregator 'allreduce' or 'allgather')"
                 )
             _density(c.codec)
-            if not isinstance(c.payload, SparsePayload):
-                raise ValueError(f"gtopk needs SparsePayload contributions, got {type(c.payload).__name__}")
+            _sparse_and_wire(c.payload)
         return start_dense_apart(contributions, collectives, lambda cs, col: Pending.done(self._global_topk(cs, col)))
 
     def _global_topk(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
         world, rank = collectives.world_size, collectives.rank
         units, local = [], []
         for c in contributions:
-            payload = c.payload
-            assert isinstance(payload, SparsePayload)
+            payload, wire = _sparse_and_wire(c.payload)
             numel = payload.numel
             k = k_for(numel, _density(c.codec))
-            units.append(_Unit(numel, k, payload.dtype))
-            local.append(keep_largest(canonical(payload.indices, payload.values), k))
+            unit = _Unit(numel, k, payload.dtype, wire)
+            units.append(unit)
+            # in a wire precision every rank merges the values it sends: both partners of a merge then hold the
+            # same sets, and what reached the result (error feedback's ``sent``) carries the rounding
+            local.append(unit.rounded(keep_largest(canonical(payload.indices, payload.values), k)))
         device = contributions[0].payload.device
         size = sum(u.nbytes() for u in units)
         size_flagged = sum(u.nbytes(flags=True) for u in units)
@@ -282,11 +303,11 @@ class GTopKAggregator(Aggregator):
             folded = rank + base if rank + base < world else None
             if folded is not None:
                 theirs, _ = _unpack(p2p.recv(size, folded, device), units)
-                held = [merge(a, b, u.k) for a, b, u in zip(held, theirs, units, strict=True)]
+                held = [u.rounded(merge(a, b, u.k)) for a, b, u in zip(held, theirs, units, strict=True)]
             survivors = [h.indices for h in held]
             for r in range(int(math.log2(base))):
                 theirs, _ = _unpack(p2p.exchange(_pack(held, units), rank ^ (1 << r), size), units)
-                held = [merge(a, b, u.k) for a, b, u in zip(held, theirs, units, strict=True)]
+                held = [u.rounded(merge(a, b, u.k)) for a, b, u in zip(held, theirs, units, strict=True)]
                 survivors = [s[torch.isin(s, h.indices)] for s, h in zip(survivors, held, strict=True)]
             if folded is not None:
                 flags = [torch.isin(h.indices, s) for h, s in zip(held, survivors, strict=True)]
