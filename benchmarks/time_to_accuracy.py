@@ -100,10 +100,10 @@ def _validate(model, name: str, val, rank: int, world: int) -> float:
             counts = torch.tensor([score, y.numel()], dtype=torch.float64)
         else:
             correct = sum(int((model(x[i : i + 500]).argmax(1) == y[i : i + 500]).sum()) for i in range(0, len(x), 500))
-            counts = torch.tensor([100.0 * correct, len(x)], dtype=torch.float64)
+            counts = torch.tensor([correct, len(x)], dtype=torch.float64)
     model.train()
     dist.all_reduce(counts)
-    return float(counts[0] / counts[1])
+    return float(counts[0] / counts[1]) * (1.0 if name == "lm" else 100.0)
 
 
 def metric_sign(curves: dict) -> float:

@@ -76,6 +76,7 @@ class Accordion(WarmupSchedule):
     """
 
     observes = True
+    name = "accordion"
 
     def __init__(
         self,
@@ -147,7 +148,7 @@ class Accordion(WarmupSchedule):
         norm = math.sqrt(total / count)
         change = None
         if self.previous is not None:
-            change = abs(self.previous - norm) / self.previous if self.previous > 0 else math.inf
+            change = abs(self.previous - norm) / self.previous if self.previous > 0 else (math.inf if norm else 0.0)
             self.critical = change >= self.threshold
         self.previous = norm
         self.decisions.append(AccordionDecision(step, norm, change, self.critical))
@@ -157,6 +158,7 @@ class Accordion(WarmupSchedule):
         decisions so far (a few numbers per interval)."""
         accumulated, observed = (float(v) for v in self.statistics().tolist())
         return {
+            "name": self.name,
             "accumulated": accumulated,
             "observed": observed,
             "previous": self.previous,
@@ -165,6 +167,7 @@ class Accordion(WarmupSchedule):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self._loaded = (float(state["accumulated"]), float(state["observed"]))
         self._accumulated = self._observed = None
         self.previous = None if state["previous"] is None else float(state["previous"])

@@ -44,7 +44,8 @@ step counter alone. An adaptive schedule (:class:`~lightning_gradcomp.adaptive.A
 each step's squared norm of this rank's gradient, read off the buckets as they arrive, and decides
 once per interval from the ranks' sums (one collective of two numbers), so every rank plans alike.
 Dense steps, and every step of the identity compressor without memory (the dense baseline), are
-averaged exactly as DDP does: on those steps the hook *is* DDP, bucket layout included.
+averaged exactly as DDP does: on those steps the hook *is* DDP, bucket layout included; what error
+feedback still owes (:meth:`~lightning_gradcomp.memory.Memory.flush_`) goes with a dense step's gradient.
 
 Non-finite gradients: the average is returned as is (NaN/Inf reach the optimizer exactly as under
 plain DDP, so AMP's GradScaler skips the step), and the memory update of every unit whose average
@@ -55,7 +56,7 @@ back. (No ``from __future__ import annotations`` here: DDP checks the hook's ann
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -270,6 +271,9 @@ class GradCompHook:
         self._in_flight: deque[_Exchange] = deque()
         self.track_layers = False
         self._capture: frozenset[str] = frozenset()
+        #: the loss scale the gradients are multiplied by under AMP (``GradScaler.get_scale``), for an adaptive
+        #: schedule's gradient norms; the strategies set it from their precision plugin's scaler
+        self.loss_scale: Callable[[], float] | None = None
 
     def request_capture(self, names: "frozenset[str] | set[str] | list[str]") -> None:
         """Keep the tensors of parameters ``names`` at the next compressed step, in ``StepStats.captures``.
@@ -305,8 +309,7 @@ class GradCompHook:
         ``"memory"``, as the strategies' checkpoint shards keep it apart, leaves the memory as it is)."""
         self.step = int(state["step"])
         self.warm_starts.load_state_dict(state.get("warm_starts", {}))
-        if "schedule" in state:
-            self.schedule.load_state_dict(state["schedule"])
+        self.schedule.load_state_dict(state.get("schedule", {}))
         if "memory" in state:
             self.memory.load_state_dict({k: v.to(self._device) for k, v in state["memory"].items()})
 
@@ -323,7 +326,8 @@ class GradCompHook:
         stats = self._current
         if self.schedule.observes:  # this rank's gradient as it arrived, before anything touches it
             for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                self._squared_norms[self._positions[id(p)]] = torch.linalg.vector_norm(grad).square()
+                norm = torch.linalg.vector_norm(grad, dtype=torch.float32)  # a half-precision norm overflows
+                self._squared_norms[self._positions[id(p)]] = norm.square()
         stats.buckets += 1
         stats.numel += buffer.numel()
         stats.dense_bytes += buffer.numel() * buffer.element_size()
@@ -342,6 +346,9 @@ class GradCompHook:
             if bucket.is_last():
                 self._assembler.end_step()
         else:
+            # a dense step sends everything: what error feedback still owes goes with this step's gradient
+            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                self.memory.flush_(self._names[id(p)], grad.view(-1))  # state is flat, as the units hand it over
             # DDP's own path: scaled in place, reduced while the backward pass goes on
             future = self.collectives.all_reduce_async(buffer.mul_(1.0 / self.world_size))
 
@@ -531,7 +538,10 @@ class GradCompHook:
         if not stats.compressed:
             stats.seconds_communicate = self.counter.seconds
         if self.schedule.observes:
-            self.schedule.observe(self._squared_norms.sum())
+            squared = self._squared_norms.sum()
+            if self.loss_scale is not None:  # AMP's loss scale multiplies the gradients: take it out
+                squared = squared / float(self.loss_scale()) ** 2
+            self.schedule.observe(squared)
             self._squared_norms.zero_()
         if self.history:
             self.history[-1].captures.clear()

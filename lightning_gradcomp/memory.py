@@ -66,6 +66,12 @@ class Memory(ABC):
         """The gradient estimate for the optimizer from the aggregated ``mean``."""
         return mean
 
+    def flush_(self, name: str, grad: Tensor) -> None:
+        """A dense step (averaged as DDP does) sends the whole of ``grad``: add into it, in place, what this state
+        still owes the optimizer, and clear that. Default: nothing is owed (DIANA's shifts learn the gradient
+        itself and stay as they are)."""
+        return None
+
     def finish_(
         self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, out: Tensor, unit_numel: int, update: bool
     ) -> None:
@@ -187,6 +193,18 @@ class ErrorFeedback(Memory):
             sent.add_to_(residual, alpha=-1)  # sparse: k entries, acc - acc, exactly 0; ternary: one fused pass
         if self.momentum:
             _zero_where_sent(self._velocities[name], sent)
+
+    def flush_(self, name: str, grad: Tensor) -> None:
+        """The residual (and under momentum correction the velocity's share, ``momentum * u``: DGC's update of
+        a step that sends every entry) goes with the dense step, and both are cleared."""
+        velocity = self._velocities.get(name)
+        if velocity is not None:
+            grad.add_(velocity, alpha=self.momentum)
+            velocity.zero_()
+        residual = self._residuals.get(name)
+        if residual is not None:
+            grad.add_(residual)
+            residual.zero_()
 
     def local_state(self) -> list[Tensor]:
         return list(self._residuals.values())

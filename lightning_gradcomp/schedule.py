@@ -84,6 +84,8 @@ class WarmupSchedule:
 
     #: whether the hook must hand :meth:`observe` each step's squared gradient norm (only adaptive schedules do)
     observes = False
+    #: the schedule's name in its state (a checkpoint of one schedule cannot resume another)
+    name = "warmup"
 
     def __init__(self, warmup_steps: int = 1, density_warmup: DensityWarmup | None = None) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
@@ -112,11 +114,23 @@ class WarmupSchedule:
         raise NotImplementedError(f"{type(self).__name__} decides nothing")
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to plan alike (nothing: the step counter, which the hook keeps, suffices)."""
-        return {}
+        """What a resumed run needs to plan alike (only the name: the step counter, which the hook keeps, suffices)."""
+        return {"name": self.name}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output."""
+        self.check_state(state)
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse the state of another schedule, naming both (a state saved before schedules had names, or none, is
+        a warm-up's)."""
+        saved = state.get("name", WarmupSchedule.name)
+        if saved != self.name:
+            raise ValueError(
+                f"the checkpoint holds the state of the {saved!r} schedule, but this run uses {self.name!r} "
+                f"(adaptive={'accordion' if self.name == 'accordion' else 'none'}): resume with the schedule it was "
+                "saved with"
+            )
 
     def __repr__(self) -> str:
         return f"WarmupSchedule(warmup_steps={self.warmup_steps}, density_warmup={self.density_warmup!r})"

@@ -9,6 +9,7 @@ checks at setup that every rank was configured alike, installs the hook on a
 
 from __future__ import annotations
 
+import copy
 import difflib
 import fnmatch
 import inspect
@@ -36,8 +37,10 @@ from lightning_gradcomp.validation import check_bool, check_choice, check_densit
 #: The adaptive schedules (``adaptive=``) and the arguments Accordion takes (``adaptive_kwargs=``).
 ADAPTIVE = ("none", "accordion")
 ACCORDION_ARGUMENTS = ("interval", "threshold", "critical_density")
-#: A sparsifier's density in Accordion's critical regimes, over its own density, unless given.
-CRITICAL_DENSITY_FACTOR = 10.0
+#: A sparsifier's density in Accordion's critical regimes, over its own density, unless given; above the limit
+#: (where a sparse payload's indices and values cost about what the dense gradient does) critical regimes are dense.
+CRITICAL_DENSITY_FACTOR = 4.0
+CRITICAL_DENSITY_LIMIT = 0.25
 
 
 def check_ddp_keywords(owner: str, keywords: Iterable[str]) -> None:
@@ -105,6 +108,12 @@ class CompressionSettings:
             compressor_args["density"] = density
         self.compressor = build_compressor(compressor, **compressor_args)
         if wire_precision is not None:
+            if wire_precision == "fp16" and aggregator == "gtopk":
+                raise ValueError(
+                    "wire_precision='fp16' with aggregator='gtopk': the butterfly's merged sums are rounded to the "
+                    "wire's precision at every round, before any division by the world size, and could overflow "
+                    "float16; use wire_precision='bf16'"
+                )
             self.compressor = WirePrecision(self.compressor, wire_precision)
         check_choice("memory", memory, sorted(MEMORIES))
         memory_args = dict(memory_kwargs or {})
@@ -152,7 +161,6 @@ class CompressionSettings:
         self.seed = check_int("seed", seed, 0)
         self.density_schedule = self._check_schedule(density_schedule)
         self.density_warmup = self._check_density_warmup(density_warmup_steps, density_warmup_start)
-        self.schedule = self._build_schedule(check_choice("adaptive", adaptive, ADAPTIVE), adaptive_kwargs or {})
         check_bool("keep_last_layer_dense", keep_last_layer_dense)
         check_choice("on_world_size_change", on_world_size_change, ("error", "reset"))
         self.on_world_size_change = on_world_size_change
@@ -173,6 +181,7 @@ class CompressionSettings:
                 f"memory_kwargs={{'momentum': {self.memory.momentum}}} is DGC's momentum correction for "
                 f"sparsifiers (topk, gaussiank, dgc); {self.compressor!r} does not sparsify"
             )
+        self.schedule = self._build_schedule(check_choice("adaptive", adaptive, ADAPTIVE), adaptive_kwargs or {})
         self.gradcomp_hook: GradCompHook | None = None
 
     def _check_schedule(self, schedule: Sequence[float] | None) -> tuple[float, ...] | None:
@@ -216,8 +225,13 @@ class CompressionSettings:
         unknown = sorted(set(kwargs) - set(ACCORDION_ARGUMENTS))
         if unknown:
             raise ValueError(f"adaptive_kwargs has unknown arguments {unknown}; Accordion takes {ACCORDION_ARGUMENTS}")
+        if isinstance(self.compressor, IdentityCompressor) and isinstance(self.memory, NoMemory):
+            raise ValueError(f"adaptive={adaptive!r} with compressor='none' and memory='none': every step is dense, "
+                             "there is nothing to adapt")  # fmt: skip
         density = getattr(self.compressor, "density", None)
-        critical = min(1.0, CRITICAL_DENSITY_FACTOR * density) if density is not None else None
+        # four times denser in critical regimes, or dense once that would send more than a quarter of the entries
+        critical = CRITICAL_DENSITY_FACTOR * density if density is not None else None
+        critical = critical if critical is not None and critical <= CRITICAL_DENSITY_LIMIT else None
         return Accordion(
             density=density,
             critical_density=kwargs.get("critical_density", critical),
@@ -281,7 +295,7 @@ class CompressionSettings:
             unit_cap_mb=self.unit_cap_mb,
             min_compress_numel=self.min_compress_numel,
             dense_names=self.dense_parameter_names(named),
-            schedule=self.schedule,
+            schedule=copy.deepcopy(self.schedule),  # a fresh hook starts its schedule afresh, as its step counter
             seed=self.seed,
             group=group,
             topology=topology,
@@ -320,6 +334,12 @@ class CompressionSettings:
         if self._pending_hook_state is not None:
             self.gradcomp_hook.load_state_dict(self._pending_hook_state)
             self._pending_hook_state = None
+        # under AMP with a GradScaler (the Trainer's ``precision_plugin``, Fabric's ``precision``) the gradients
+        # the hook sees are scaled: an adaptive schedule measures them unscaled
+        plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None:
+            self.gradcomp_hook.loss_scale = scaler.get_scale
         ddp.register_comm_hook(state=self.gradcomp_hook, hook=gradcomp_comm_hook)
         return self.gradcomp_hook
 

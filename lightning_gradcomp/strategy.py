@@ -70,7 +70,7 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
             density warm-up and ``density_schedule``; the first ``warmup_steps`` stay dense.
         adaptive_kwargs: Accordion's arguments: ``interval`` (steps, default 50), ``threshold``
             (default 0.5, the paper's), ``critical_density`` (a sparsifier's density in critical
-            regimes, default ten times ``density``; ``None`` averages them densely, the default for a
+            regimes, default four times ``density``; ``None`` averages them densely, the default for a
             compressor without a density).
         min_compress_numel: parameters with fewer elements (biases, norms) are averaged densely.
         seed: base seed of the compressors' random streams; a unit's stream at a step is a pure

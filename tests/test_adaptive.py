@@ -13,9 +13,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.adaptive import Accordion, AccordionDecision
-from lightning_gradcomp.compressors import TopKCompressor
+from lightning_gradcomp.compressors import SparseEntries, TopKCompressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.schedule import WarmupSchedule
 
 
 def _feed(schedule: Accordion, squared_norms: list[float], start: int = 0, world_size: int = 1) -> list[str]:
@@ -61,17 +62,34 @@ def test_summed_over_ranks_and_blind_to_skipped_steps() -> None:
     assert ranks[0].decisions == ranks[1].decisions == [AccordionDecision(3, math.sqrt(29 / 5), None, True)]
 
 
-def test_a_schedule_restored_between_two_decisions_decides_as_the_one_that_never_stopped() -> None:
-    norms = [4.0, 4.1, 9.0, 9.3, 9.1, 9.6, 50.0, 40.0, 41.0]
+@pytest.mark.parametrize("stop", [5, 7])
+def test_a_schedule_restored_between_two_decisions_decides_as_the_one_that_never_stopped(stop: int) -> None:
+    """Stopped inside the second interval (still critical), or inside the third (relaxed since step 6)."""
+    norms = [4.0, 4.1, 9.0, 9.3, 9.1, 9.6, 9.5, 9.4, 41.0, 40.0, 42.0, 40.5]
     straight = Accordion(density=0.01, critical_density=0.1, interval=3, threshold=0.4)
     expected = _feed(straight, norms)
+    assert expected[6:9] == ["relaxed"] * 3 and expected[9] == "critical"
     stopped = Accordion(density=0.01, critical_density=0.1, interval=3, threshold=0.4)
-    first = _feed(stopped, norms[:5])  # stops inside the second interval
+    first = _feed(stopped, norms[:stop])
+    assert stopped.critical == (stop < 6)
     resumed = Accordion(density=0.01, critical_density=0.1, interval=3, threshold=0.4)
     resumed.load_state_dict(stopped.state_dict())
-    assert first + _feed(resumed, norms[5:], start=5) == expected
-    assert resumed.decisions == straight.decisions and len(straight.decisions) == 2
+    assert first + _feed(resumed, norms[stop:], start=stop) == expected
+    assert resumed.decisions == straight.decisions and len(straight.decisions) == 3
     assert resumed.state_dict() == straight.state_dict()
+
+
+def test_a_checkpoint_of_another_schedule_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="holds the state of the 'warmup' schedule, but this run uses 'accordion'"):
+        Accordion().load_state_dict({})  # a shard written without adaptive compression (or before it existed)
+    with pytest.raises(ValueError, match="holds the state of the 'accordion' schedule, but this run uses 'warmup'"):
+        WarmupSchedule().load_state_dict(Accordion().state_dict())
+
+
+def test_a_norm_of_zero_after_zero_is_no_change() -> None:
+    schedule = Accordion(interval=1)
+    _feed(schedule, [0.0, 0.0, 0.0])
+    assert [d.change for d in schedule.decisions] == [None, 0.0] and not schedule.critical
 
 
 @pytest.mark.parametrize(
@@ -92,12 +110,16 @@ def test_bad_arguments_are_refused_by_name(kwargs: dict, message: str) -> None:
 def test_the_strategy_builds_it_and_refuses_what_conflicts() -> None:
     topk = GradCompStrategy(density=0.001, adaptive="accordion", adaptive_kwargs={"interval": 20})
     assert repr(topk.schedule) == (
-        "Accordion(density=0.001, critical_density=0.01, interval=20, threshold=0.5, warmup_steps=1)"
+        "Accordion(density=0.001, critical_density=0.004, interval=20, threshold=0.5, warmup_steps=1)"
     )
     terngrad = GradCompStrategy(compressor="terngrad", memory="none", adaptive="accordion")
     assert terngrad.schedule.critical_density is None  # no density: critical regimes are averaged densely
     dense = GradCompStrategy(adaptive="accordion", adaptive_kwargs={"critical_density": None})
     assert dense.schedule.critical_density is None
+    # four times 0.1 would send 40% of the entries, about what the dense gradient costs: critical regimes dense instead
+    assert GradCompStrategy(density=0.1, adaptive="accordion").schedule.critical_density is None
+    with pytest.raises(ValueError, match="compressor='none' and memory='none': every step is dense"):
+        GradCompStrategy(compressor="none", memory="none", adaptive="accordion")
     with pytest.raises(ValueError, match=r"adaptive must be one of \['none', 'accordion'\], got 'acordion'"):
         GradCompStrategy(adaptive="acordion")
     with pytest.raises(ValueError, match=r"adaptive='accordion' sets the density itself; do not give density_warm"):
@@ -113,9 +135,10 @@ STEPS = 18
 JUMP = 12  # the loss is scaled by 20 from this step on: the gradient norm jumps, a critical regime again
 
 
-def _accordion_on_real_ranks(rank: int, world_size: int) -> dict:
+def _accordion_on_real_ranks(rank: int, world_size: int, loss_scale: float = 1.0) -> dict:
     """Top-k with error feedback under Accordion on every rank's own data; each step's local gradient norm measured
-    apart on an undistributed copy of the same weights."""
+    apart on an undistributed copy of the same weights. With ``loss_scale``, the loss is scaled as AMP's GradScaler
+    does and the hook is told the scale."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
     copy = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
@@ -124,7 +147,9 @@ def _accordion_on_real_ranks(rank: int, world_size: int) -> dict:
                         min_compress_numel=100, schedule=schedule)  # fmt: skip
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)  # several buckets, rebuilt after step 1
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    if loss_scale != 1.0:
+        hook.loss_scale = lambda: loss_scale
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05 / loss_scale)
     data = teacher_task(n=STEPS * 16, seed=1 + rank)
     local_norms = []
     for step in range(STEPS):
@@ -135,7 +160,7 @@ def _accordion_on_real_ranks(rank: int, world_size: int) -> dict:
         (scale * nn.functional.cross_entropy(copy(x), y)).backward()
         local_norms.append(sum(float(p.grad.double().pow(2).sum()) for p in copy.parameters()))
         optimizer.zero_grad()
-        (scale * nn.functional.cross_entropy(ddp(x), y)).backward()
+        (loss_scale * scale * nn.functional.cross_entropy(ddp(x), y)).backward()
         optimizer.step()
     return {
         "decisions": schedule.decisions,
@@ -204,3 +229,63 @@ def test_the_trainer_strategy_runs_it_and_the_monitor_logs_the_critical_share(tm
     assert regimes == ["warmup"] + ["critical"] * 7 + ["relaxed"] * 8
     shares = [float(row["gradcomp/critical_fraction"]) for row in results[0]["rows"]]
     assert shares == [0.75, 1.0, 0.0, 0.0]  # each window of 4 steps: the warm-up step is not critical
+
+
+def test_a_dense_step_takes_what_error_feedback_owes_along() -> None:
+    """``Memory.flush_``: error feedback's residual (and DGC's velocity share) goes with a dense step's gradient."""
+    memory = ErrorFeedback(momentum=0.5)
+    x = memory.compensate_("w", torch.tensor([1.0, 2.0, 3.0]))  # velocity u = grad; acc = u
+    memory.update("w", x, SparseEntries(torch.tensor([2]), torch.tensor([3.0]), 3), x)  # index 2 sent
+    assert memory.residual("w").tolist() == [1.0, 2.0, 0.0] and memory.velocity("w").tolist() == [1.0, 2.0, 0.0]
+    grad = torch.tensor([10.0, 10.0, 10.0])
+    memory.flush_("w", grad)
+    assert grad.tolist() == [10.0 + 0.5 + 1.0, 10.0 + 1.0 + 2.0, 10.0]  # momentum * u + residual
+    assert not memory.residual("w").any() and not memory.velocity("w").any()
+    untouched = torch.tensor([1.0])
+    memory.flush_("never compressed", untouched)
+    assert untouched.tolist() == [1.0] and memory.residual("never compressed") is None
+
+
+def _dense_critical_on_real_ranks(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    memory = ErrorFeedback()
+    schedule = Accordion(density=0.05, interval=INTERVAL, threshold=0.5)  # critical regimes averaged densely
+    hook = GradCompHook(TopKCompressor(0.05), memory, "allgather", list(model.named_parameters()),
+                        min_compress_numel=100, schedule=schedule)  # fmt: skip
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = teacher_task(n=STEPS * 16, seed=1 + rank)
+    residuals = []
+    for step in range(STEPS):
+        x, y = data.tensors[0][step * 16 : (step + 1) * 16], data.tensors[1][step * 16 : (step + 1) * 16]
+        optimizer.zero_grad()
+        ((20.0 if step >= JUMP else 1.0) * nn.functional.cross_entropy(ddp(x), y)).backward()
+        optimizer.step()
+        residuals.append(sum(float(r.abs().sum()) for r in memory.local_state()))
+    return {"regimes": [s.regime for s in hook.history], "compressed": [s.compressed for s in hook.history],
+            "residuals": residuals, "weights": {k: v.clone() for k, v in model.state_dict().items()}}  # fmt: skip
+
+
+def test_dense_critical_regimes_flush_the_residual_on_real_ranks() -> None:
+    results = run_ranks(_dense_critical_on_real_ranks, 2)
+    r = results[0]
+    dense_after_relaxed = [
+        s for s in range(1, STEPS) if r["regimes"][s] == "critical" and "relaxed" in r["regimes"][:s]
+    ]
+    assert dense_after_relaxed and not any(r["compressed"][s] for s in dense_after_relaxed)
+    for rank_result in results:
+        assert rank_result["residuals"][dense_after_relaxed[0] - 1] > 0  # owed after the relaxed steps
+        assert all(rank_result["residuals"][s] == 0 for s in dense_after_relaxed)  # sent with the dense steps
+        for name, value in rank_result["weights"].items():
+            assert torch.equal(value, r["weights"][name]), name
+
+
+def test_under_a_loss_scale_the_statistic_is_the_unscaled_gradients() -> None:
+    """AMP multiplies the gradients the hook sees by the loss scale (2**10 here): told the scale, Accordion measures
+    the same norms (to float32's rounding of the scaled sums), so a scale change is not a critical regime."""
+    plain, scaled = run_ranks(_accordion_on_real_ranks, 2)[0], run_ranks(_accordion_on_real_ranks, 2, 1024.0)[0]
+    assert [(d.step, d.critical) for d in scaled["decisions"]] == [(d.step, d.critical) for d in plain["decisions"]]
+    for ours, reference in zip(scaled["decisions"], plain["decisions"], strict=True):
+        assert ours.norm == pytest.approx(reference.norm, rel=1e-5)

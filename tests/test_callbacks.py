@@ -149,7 +149,7 @@ def test_monitor_summary_table_covers_the_run(topk_csv_fit: list[dict[str, Any]]
         d = dict(TinyClassifier().named_parameters())[name].numel()
         layer = total.layers[name]
         k = k_for(d, DENSITY)
-        assert layer["numel"] == d and layer["payload_bytes"] == 4 + encoded_nbytes(d, k) + 4 * k
+        assert layer["numel"] == d and layer["payload_bytes"] == 8 + encoded_nbytes(d, k) + 4 * k
         assert name in topk_csv_fit[0]["table"]
     assert "Gradient compression" in topk_csv_fit[0]["table"]
 

@@ -64,7 +64,7 @@ def test_allgather_of_variable_sparse_payloads_is_exact_on_every_rank(world_size
             assert torch.equal(r["means"][i], expected), f"rank {rank}, unit {i}"
             assert torch.equal(r["sent"][i], codec.decompress(codec.compress(_local_inputs(rank)[i])))
     # each payload: its count, its indices (as few bytes as the count allows), its float32 values
-    longest = max(sum(4 + encoded_nbytes(n, k) + 4 * k for n, k in zip(NUMELS, r["k"], strict=True)) for r in results)
+    longest = max(sum(8 + encoded_nbytes(n, k) + 4 * k for n, k in zip(NUMELS, r["k"], strict=True)) for r in results)
     for r in results:
         assert r["calls"] == 2  # one size exchange + one gather, for all three units together
         assert r["bytes_sent"] == 8 * len(NUMELS) + longest
@@ -82,7 +82,7 @@ def _allgather_all_empty(rank: int, world_size: int) -> dict:
 def test_allgather_when_no_rank_selects_anything(world_size: int, every_rank: EveryRank) -> None:
     for r in every_rank(world_size, "empty"):
         assert torch.equal(r["mean"], torch.zeros(10))
-        assert r["bytes_sent"] == 8 + 4  # the size, then the payload: its count of no entries
+        assert r["bytes_sent"] == 8 + 8  # the size, then the payload: its count of no entries
 
 
 def _topk_and_dense(rank: int, world_size: int) -> dict:

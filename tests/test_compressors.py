@@ -60,9 +60,9 @@ def test_sparse_wire_round_trip_is_exact(dtype: torch.dtype, numel: int) -> None
     payload = compressor.compress(x)
     wire = payload.to_bytes()
     assert wire.dtype == torch.uint8 and wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, dtype)
-    # the count, then k = 1, 1 and 300 indices: a bitmap of ceil(numel / 8) bytes is the smallest exact form at
+    # the count (int64), then k = 1, 1 and 300 indices: a bitmap of ceil(numel / 8) bytes is the smallest exact form at
     # density 0.3
-    assert payload.nbytes == 4 + {1: 1, 3: 1, 1001: 126}[numel] + payload.k * x.element_size()
+    assert payload.nbytes == 8 + {1: 1, 3: 1, 1001: 126}[numel] + payload.k * x.element_size()
     # parse from an odd offset inside a bigger buffer: parts are misaligned and must still read back
     shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), wire])[3:]
     back = compressor.unpack(shifted, x.shape, dtype)
@@ -73,18 +73,18 @@ def test_sparse_wire_round_trip_is_exact(dtype: torch.dtype, numel: int) -> None
 
 def test_empty_sparse_payload_round_trips() -> None:
     payload = SparsePayload(torch.empty(0, dtype=torch.int64), torch.empty(0), torch.Size([50]))
-    assert payload.nbytes == 4 and payload.to_bytes().numel() == 4  # the count alone
+    assert payload.nbytes == 8 and payload.to_bytes().numel() == 8  # the count alone
     back = SparsePayload.from_bytes(payload.to_bytes(), torch.Size([50]), torch.float32)
     assert back.k == 0 and torch.equal(back.accumulate(torch.zeros(50)), torch.zeros(50))
 
 
 def test_truncated_or_ragged_bytes_are_rejected() -> None:
     # 2 entries of 10: the count, a 2-byte bitmap and 8 bytes of values
-    two = torch.tensor([2], dtype=torch.int32).view(torch.uint8)
-    with pytest.raises(ValueError, match="sparse payload of 7 bytes, expected 14 for 2 entries"):
+    two = torch.tensor([2], dtype=torch.int64).view(torch.uint8)
+    with pytest.raises(ValueError, match="sparse payload of 11 bytes, expected 18 for 2 entries"):
         SparsePayload.from_bytes(torch.cat([two, torch.zeros(3, dtype=torch.uint8)]), torch.Size([10]), torch.float32)
-    with pytest.raises(ValueError, match="sparse payload of 3 bytes claims -1 entries"):
-        SparsePayload.from_bytes(torch.zeros(3, dtype=torch.uint8), torch.Size([10]), torch.float32)
+    with pytest.raises(ValueError, match="sparse payload of 7 bytes claims -1 entries"):
+        SparsePayload.from_bytes(torch.zeros(7, dtype=torch.uint8), torch.Size([10]), torch.float32)
     with pytest.raises(ValueError, match="truncated"):
         ByteReader(torch.zeros(3, dtype=torch.uint8)).take(1, torch.float32)
 

@@ -297,7 +297,7 @@ def test_fabric_refuses_a_second_model_and_make_hook_refuses_ranks_that_disagree
         assert result["disagreeing make_hook"].startswith("gradient compression settings differ across ranks; ")
         expected = "compressor: rank 0 has WirePrecision(TopKCompressor(density=0.01), 'bf16'), rank 1 has"
         assert expected in result["disagreeing make_hook"]
-        assert "schedule: rank 0 has Accordion(density=0.01, critical_density=0.1" in result["disagreeing make_hook"]
+        assert "schedule: rank 0 has Accordion(density=0.01, critical_density=0.04" in result["disagreeing make_hook"]
 
 
 def test_fabric_strategy_refuses_a_misspelt_argument_by_name() -> None:

@@ -103,7 +103,7 @@ def test_gaussiank_selects_nothing_from_zeros_in_a_fixed_size_payload() -> None:
     k = k_for(1500, 0.01)
     # the count, 15 Elias-Fano indices below 1500 (l = 6: 12 + 5 bytes) and 15 float32 slots, whatever the count
     assert k == 15
-    assert payload.k == 0 and payload.nbytes == 4 + 17 + k * 4 == codec.payload_nbytes(
+    assert payload.k == 0 and payload.nbytes == 8 + 17 + k * 4 == codec.payload_nbytes(
         torch.Size([3, 500]), torch.float32
     )
     assert payload.to_bytes().numel() == payload.nbytes
@@ -127,7 +127,7 @@ def test_gaussiank_payloads_fill_k_slots_whatever_the_count_and_round_trip(dtype
     with pytest.raises(ValueError, match="expected"):
         codec.unpack(torch.zeros(size - 1, dtype=torch.uint8), torch.Size([D]), dtype)
     bad = torch.zeros(size, dtype=torch.uint8)
-    bad[:4] = torch.tensor([10**6], dtype=torch.int32).view(torch.uint8)
+    bad[:8] = torch.tensor([10**6], dtype=torch.int64).view(torch.uint8)
     with pytest.raises(ValueError, match="claims 1000000 entries"):
         codec.unpack(bad, torch.Size([D]), dtype)
 

@@ -295,9 +295,9 @@ def test_an_entry_dropped_on_the_way_stays_in_the_residual(by_size: dict) -> Non
 
 
 def _unit_bytes(flags: bool = False) -> int:
-    """Per sparse unit: an int32 count, the indices in the format of k of them, k float32 values (and k flags)."""
+    """Per sparse unit: an int64 count, the indices in the format of k of them, k float32 values (and k flags)."""
     return sum(
-        4 + encoded_nbytes(numel, k_for(numel, DENSITY)) + k_for(numel, DENSITY) * (4 + int(flags))
+        8 + encoded_nbytes(numel, k_for(numel, DENSITY)) + k_for(numel, DENSITY) * (4 + int(flags))
         for _, numel, kind in UNITS
         if kind != "dense"
     )

@@ -69,6 +69,19 @@ def test_a_varying_count_takes_the_size_of_its_capacity(n: int) -> None:
         encode_indices(torch.arange(capacity + 1), n, capacity=capacity)
 
 
+def test_indices_of_a_unit_past_int32_round_trip() -> None:
+    n = 2**40  # a flat unit of a trillion elements: the low bits and the high parts are int64 throughout
+    indices = torch.tensor([0, 2**33 + 5, 2**39, n - 1])
+    assert low_bits(n, 4) == 38
+    assert torch.equal(decode_indices(encode_indices(indices, n), n, 4), indices)
+
+
+def test_indices_that_are_not_ascending_or_out_of_range_are_refused() -> None:
+    for bad in ([5, 3], [3, 3], [2, 10]):
+        with pytest.raises(ValueError, match="indices must be distinct, ascending and below 10"):
+            encode_indices(torch.tensor(bad), 10)
+
+
 def test_bytes_that_do_not_hold_the_count_are_refused() -> None:
     encoded = encode_indices(torch.tensor([3, 70, 99]), 100)  # l = 5: 2 bytes of low bits, 1 of high parts
     with pytest.raises(ValueError, match="3 indices below 100 take 3 bytes, got 2"):
@@ -87,7 +100,7 @@ def test_sparse_payloads_count_what_they_carry(numel: int, density: float) -> No
     payload = codec.compress(x)
     wire = payload.to_bytes()
     assert wire.numel() == payload.nbytes == codec.payload_nbytes(x.shape, x.dtype)
-    assert payload.nbytes == 4 + encoded_nbytes(numel, payload.k) + 4 * payload.k
+    assert payload.nbytes == 8 + encoded_nbytes(numel, payload.k) + 4 * payload.k
     back = SparsePayload.from_bytes(wire, x.shape, x.dtype)
     order = payload.indices.argsort()
     assert torch.equal(back.indices, payload.indices[order]) and torch.equal(back.values, payload.values[order])

@@ -175,5 +175,5 @@ def test_density_schedule_follows_epochs_and_last_layer_stays_dense() -> None:
         early, late = compressed[0].payload_bytes, compressed[-1].payload_bytes
         # per unit: the count, the indices (1024 of 2048 and 32 of 64: bitmaps of 256 and 8 bytes; 20 of 2048 and
         # 1 of 64: Elias-Fano, 22 and 2 bytes), the float32 values
-        assert early == (4 + 256 + 4 * 1024) + (4 + 8 + 4 * 32), early
-        assert late == (4 + 22 + 4 * 20) + (4 + 2 + 4 * 1), late
+        assert early == (8 + 256 + 4 * 1024) + (8 + 8 + 4 * 32), early
+        assert late == (8 + 22 + 4 * 20) + (8 + 2 + 4 * 1), late

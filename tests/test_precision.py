@@ -57,7 +57,7 @@ def test_sparse_values_travel_in_half_indices_stay_integers_and_the_rounding_is_
     x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
     payload = codec.compress(x)
     # the count, 50 Elias-Fano indices below 5000 (l = 6: 38 + 17 bytes), 50 bfloat16 values
-    assert payload.selected == 50 and payload.nbytes == 4 + 55 + 50 * 2 == payload.to_bytes().numel()
+    assert payload.selected == 50 and payload.nbytes == 8 + 55 + 50 * 2 == payload.to_bytes().numel()
     sent = payload.entries().to_dense()
     inner = payload.inner
     assert torch.equal(sent[inner.indices], inner.values.to(torch.bfloat16).float())
@@ -191,7 +191,7 @@ def test_on_real_ranks_half_wires_keep_error_feedback_exact(world_size: int) -> 
         # k = 5% of 216 + 9216 + 320 (conv, fc1, fc2 weights): 10 + 460 + 16 entries, each payload a count, the
         # Elias-Fano indices (l = 4: 5 + 3, 230 + 130, 8 + 5 bytes) and bf16 values, gathered as packed bytes
         # (the biases, 50 floats, are all-reduced densely in float32)
-        topk = 3 * 4 + (8 + 360 + 13) + (10 + 460 + 16) * 2
+        topk = 3 * 8 + (8 + 360 + 13) + (10 + 460 + 16) * 2
         assert r["topk"]["payload_bytes"][1:] == [topk] * 5
         assert r["topk"]["by_dtype"][1:] == [{"uint8": topk, "float32": 4 * 50}] * 5
         # fp16 P and Q: 3.weight (32 x 288) at rank 2; 0.weight (8 x 27) and 5.weight (10 x 32) at rank 2,

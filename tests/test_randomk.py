@@ -93,7 +93,7 @@ def test_wire_size_is_k_indices_and_values() -> None:
     payload = compressor.compress(x, torch.Generator().manual_seed(6))
     wire = payload.to_bytes()
     # the count, 30 Elias-Fano indices below 3000 (l = 6: 23 bytes of low bits, 10 of high parts), 30 float32 values
-    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, x.dtype) == 4 + 23 + 10 + 30 * 4
+    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, x.dtype) == 8 + 23 + 10 + 30 * 4
     back = compressor.unpack(wire, x.shape, x.dtype)
     assert isinstance(back, SparsePayload)
     assert torch.equal(compressor.decompress(back), compressor.decompress(payload))

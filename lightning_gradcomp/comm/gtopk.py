@@ -31,7 +31,10 @@ and size of ``k`` of them, :mod:`~lightning_gradcomp.compressors.indices`, then 
 zero-padded), so no sizes are exchanged. Under a wire precision (``wire_precision="bf16"``) the values
 travel in it, and every rank rounds what it holds to it before each round, its own set included, so
 that both partners of a merge sum the same numbers and hold the same set; sums are taken in the
-values' own dtype.
+values' own dtype. The rounding of a merged sum reaches no rank's residual (each rank's residual keeps
+the rounding of its own entries only), so error feedback does not compensate it: use ``"bf16"``,
+whose range is float32's (the sums are not divided by the world size first, and float16 is
+refused: it could overflow where the allgather would not).
 
 What reached the result (``Aggregate.sent``, which error feedback subtracts from ``acc``): a
 local entry reached the global sum only if its index survived *every* merge along its owner's
@@ -65,7 +68,7 @@ from lightning_gradcomp.compressors.topk import k_for
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.validation import check_density
 
-_COUNT_DTYPE = torch.int32
+_COUNT_DTYPE = torch.int64
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,6 @@ order. The bits are packed and unpacked with tensor operations, on the indices' 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -25,8 +23,9 @@ __all__ = ["decode_indices", "encode_indices", "encoded_nbytes", "index_format",
 
 
 def low_bits(n: int, k: int) -> int:
-    """Elias-Fano's low bits per index for ``k`` indices below ``n``: ``floor(log2(n / k))``, at least 0."""
-    return max(0, math.floor(math.log2(n / k))) if 0 < k < n else 0
+    """Elias-Fano's low bits per index for ``k`` indices below ``n``: ``floor(log2(n / k))``, at least 0 (in integer
+    arithmetic: exact for any ``n``)."""
+    return max(0, (n // k).bit_length() - 1) if 0 < k < n else 0
 
 
 def _elias_fano_nbytes(n: int, k: int, low: int) -> int:
@@ -62,12 +61,18 @@ def encoded_nbytes(n: int, k: int, capacity: int | None = None) -> int:
 
 
 def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tensor:
-    """``indices`` (distinct, below ``n``, ascending) as :func:`encoded_nbytes` uint8 bytes (zero-padded up to
-    ``capacity``'s size when it is given)."""
+    """``indices`` (distinct, below ``n``, strictly ascending: checked on the CPU) as :func:`encoded_nbytes` uint8
+    bytes (zero-padded up to ``capacity``'s size when it is given)."""
     k = indices.numel()
     slots = k if capacity is None else capacity
     if k > slots:
         raise ValueError(f"{k} indices do not fit in {slots} slots")
+    if (
+        indices.device.type == "cpu"
+        and k
+        and (int(indices[0]) < 0 or int(indices[-1]) >= n or bool((indices[1:] <= indices[:-1]).any()))
+    ):
+        raise ValueError(f"indices must be distinct, ascending and below {n}")
     size = encoded_nbytes(n, k, capacity)
     device = indices.device
     kind = index_format(n, slots)
@@ -91,7 +96,8 @@ def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tens
 
 def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) -> Tensor:
     """The ``k`` ascending int64 indices that :func:`encode_indices` wrote into ``buffer`` (uint8, exactly
-    :func:`encoded_nbytes` long)."""
+    :func:`encoded_nbytes` long). The count is known, so nothing waits for the device (``nonzero_static``);
+    on the CPU the bytes are also checked to hold exactly ``k`` indices below ``n``."""
     slots = k if capacity is None else capacity
     size = encoded_nbytes(n, k, capacity)
     if buffer.numel() != size:
@@ -100,21 +106,28 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
     device = buffer.device
     if kind == "empty":
         return torch.empty(0, dtype=torch.long, device=device)
+    check = device.type == "cpu"
     if kind == "bitmap":
-        indices = torch.nonzero(_unpack(buffer)[:n]).reshape(-1)
+        bits = _unpack(buffer)[:n]
+        indices = _ones(bits, k, check)
     else:
         low = low_bits(n, slots)
         low_size = _bytes(slots * low)
-        ones = torch.nonzero(_unpack(buffer[low_size:])).reshape(-1)
-        highs = ones - torch.arange(ones.numel(), device=device)
-        indices = highs << low
+        bits = _unpack(buffer[low_size:])
+        ones = _ones(bits, k, check)
+        indices = (ones - torch.arange(k, device=device)) << low
         if low:
-            indices |= _value_of(_unpack(buffer[:low_size])[: ones.numel() * low].reshape(-1, low))
-    if indices.numel() != k:
-        raise ValueError(f"the index bytes hold {indices.numel()} indices, expected {k}")
-    if k and int(indices[-1]) >= n:
+            indices |= _value_of(_unpack(buffer[:low_size])[: k * low].reshape(-1, low))
+    if check and k and int(indices[-1]) >= n:
         raise ValueError(f"an index {int(indices[-1])} is out of range for {n} elements")
     return indices
+
+
+def _ones(bits: Tensor, k: int, check: bool) -> Tensor:
+    """The positions of the ``k`` set bits (checking, when asked, that there are exactly ``k``)."""
+    if check and int(bits.sum()) != k:
+        raise ValueError(f"the index bytes hold {int(bits.sum())} indices, expected {k}")
+    return torch.nonzero_static(bits, size=k).reshape(-1)
 
 
 _BIT_WEIGHTS: dict[torch.device, Tensor] = {}
@@ -128,15 +141,20 @@ def _weights(device: torch.device) -> Tensor:
 
 
 def _bits_of(values: Tensor, width: int) -> Tensor:
-    """The ``width`` low bits of each value, least significant first, as one flat bool tensor."""
-    shifts = torch.arange(width, device=values.device)
-    return ((values.unsqueeze(1) >> shifts) & 1).bool().reshape(-1)
+    """The ``width`` low bits of each value, least significant first, as one flat bool tensor (a bit column at a
+    time: ``k * width`` bytes, no int64 matrix)."""
+    bits = torch.empty(values.numel(), width, dtype=torch.bool, device=values.device)
+    for b in range(width):
+        bits[:, b] = (values >> b) & 1
+    return bits.reshape(-1)
 
 
 def _value_of(bits: Tensor) -> Tensor:
     """Rows of bits (least significant first) back to int64 values."""
-    shifts = torch.arange(bits.shape[1], device=bits.device)
-    return (bits.long() << shifts).sum(dim=1)
+    value = torch.zeros(bits.shape[0], dtype=torch.long, device=bits.device)
+    for b in range(bits.shape[1]):
+        value |= bits[:, b].long() << b
+    return value
 
 
 def _pack(bits: Tensor) -> Tensor:

@@ -12,17 +12,13 @@ from lightning_gradcomp.compressors.base import Compressor, Entries, Payload, al
 from lightning_gradcomp.compressors.indices import decode_indices, encode_indices, encoded_nbytes
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
-_INT32_LIMIT = 2**31 - 1
-
-
-def index_dtype(numel: int) -> torch.dtype:
-    """Narrowest index type that addresses ``numel`` elements: int32 up to 2**31 - 1, else int64."""
-    return torch.int32 if numel <= _INT32_LIMIT else torch.int64
+#: The count that starts a sparse payload's wire form (int64: a unit of any size).
+COUNT_DTYPE = torch.int64
 
 
 def sparse_nbytes(numel: int, k: int, float_itemsize: int, slots: int | None = None) -> int:
     """Wire size of a :class:`SparsePayload` of ``k`` entries of ``numel`` (with ``slots``, of any count up to it)."""
-    return 4 + encoded_nbytes(numel, k, slots) + (k if slots is None else slots) * float_itemsize
+    return 8 + encoded_nbytes(numel, k, slots) + (k if slots is None else slots) * float_itemsize
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -34,7 +30,7 @@ def itemsize(dtype: torch.dtype) -> int:
 class SparsePayload(Payload):
     """``k`` entries of a tensor of ``shape`` (flat indices); absent entries are zero.
 
-    Wire form: the count ``k`` as int32, the indices as a sorted set in the fewest bytes their count
+    Wire form: the count ``k`` as int64, the indices as a sorted set in the fewest bytes their count
     allows (:mod:`~lightning_gradcomp.compressors.indices`: Elias-Fano, about ``2 + log2(d / k)``
     bits each, or a bitmap), then the values in ascending index order, in the gradient's dtype (or a
     wire precision's): ``4 + encoded_nbytes(d, k) + k * itemsize`` bytes, a function of ``d`` and ``k``
@@ -84,19 +80,22 @@ class SparsePayload(Payload):
             raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
         indices, order = torch.sort(self.indices.reshape(-1).long())
         values = self.values.reshape(-1)[order]
-        count = torch.tensor([self.k], dtype=torch.int32, device=self.values.device)
+        count = torch.tensor([self.k], dtype=COUNT_DTYPE, device=self.values.device)
         encoded = encode_indices(indices, self.numel, self.slots)
         padding = 0 if self.slots is None else self.slots - self.k
         return to_bytes([count, encoded, zero_padded(values, padding)])
 
     @classmethod
     def from_bytes(
-        cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype, slots: int | None = None
+        cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype, slots: int | None = None, k: int | None = None
     ) -> SparsePayload:
-        """Parse the wire form (the count is in its header)."""
+        """Parse the wire form; its header gives the count, unless the caller knows it (``k``: a compressor of
+        fixed count, which then reads nothing back from the device before decoding)."""
         numel = shape.numel()
         reader = ByteReader(buffer)
-        k = int(reader.take(1, torch.int32)) if buffer.numel() >= 4 else -1
+        header = reader.take(1, COUNT_DTYPE) if buffer.numel() >= 8 else None
+        if k is None:
+            k = int(header) if header is not None else -1
         if k < 0 or (slots is not None and k > slots) or (slots is None and k > numel):
             raise ValueError(f"sparse payload of {buffer.numel()} bytes claims {k} entries")
         expected = sparse_nbytes(numel, k, itemsize(dtype), slots)
@@ -176,7 +175,9 @@ class FixedKSparsifier(Compressor):
     density: float
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
-        return SparsePayload.from_bytes(buffer, shape, dtype)
+        # the count is k unless a subclass sends a count that varies (and declares no fixed size): then the header's
+        fixed = self.payload_nbytes(shape, dtype) is not None
+        return SparsePayload.from_bytes(buffer, shape, dtype, k=k_for(shape.numel(), self.density) if fixed else None)
 
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         assert isinstance(payload, SparsePayload)
