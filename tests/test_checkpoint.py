@@ -86,7 +86,8 @@ def test_each_rank_writes_its_own_shard_and_the_checkpoint_holds_a_manifest(two_
     shards = [torch.load(shard_path(ckpt, r, 2), weights_only=True) for r in range(2)]
     for rank, shard in enumerate(shards):
         assert shard["rank"] == rank and shard["world_size"] == 2 and shard["tag"] == manifest["tag"]
-        assert shard["hook"] == {"step": N, "warm_starts": {}}  # Top-k carries no warm start
+        # Top-k carries no warm start, its schedule (the warm-ups) no state but its name
+        assert shard["hook"] == {"step": N, "warm_starts": {}, "schedule": {"name": "warmup"}}
         assert set(shard["memory_state"]) == {"stem.weight", "body.weight", "head.weight"}
     assert not torch.equal(shards[0]["memory_state"]["body.weight"], shards[1]["memory_state"]["body.weight"])
     later = torch.load(two_rank_checkpoints / "step=8.ckpt", weights_only=True)[CHECKPOINT_KEY]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from datetime import timedelta
@@ -125,9 +124,10 @@ def test_world_size_one_compresses_locally() -> None:
     (r,) = run_ranks(_single_rank, 1, init=False)
     assert r["calls"] >= 5 and len(r["history"]) == 5
     compressed = [s for s in r["history"] if s.compressed]
-    # four compressed steps inside the preset's density warm-up (25% of the entries at first), logits dense
+    # four compressed steps in Accordion's first (critical) interval: 4% of the entries each, logits dense
     assert len(compressed) == 4 and all(s.bytes_sent < s.dense_bytes for s in compressed)
-    assert all(a.selected > b.selected for a, b in itertools.pairwise(compressed))
+    assert all(s.regime == "critical" and s.planned_density == 0.04 for s in compressed)
+    assert all(s.selected == int(0.04 * s.numel_compressed) for s in compressed)
     assert r["residuals"] and all(torch.isfinite(v).all() for v in r["residuals"].values())
 
 
