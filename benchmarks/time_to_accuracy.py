@@ -342,6 +342,20 @@ def parity(curves: dict, tolerance: float, window: int = 0) -> dict[str, dict]:
     return rows
 
 
+# What makes two train runs comparable, with the value files written before the key existed had.
+_SETTING_KEYS = {
+    "model": None,
+    "ranks": None,
+    "batch": None,
+    "lr": None,
+    "momentum": 0.9,
+    "lr_warmup": 0,
+    "steps": None,
+    "eval_every": None,
+    "holdout": None,
+}
+
+
 def load_curves(paths: list[str]) -> dict:
     """The curves of several ``train`` runs of the same setting, merged by method and seed.
 
@@ -353,8 +367,8 @@ def load_curves(paths: list[str]) -> dict:
     curves = json.loads(Path(paths[0]).read_text())
     for path in paths[1:]:
         more = json.loads(Path(path).read_text())
-        for key in ("model", "ranks", "batch", "lr", "steps", "eval_every", "holdout"):
-            if more.get(key) != curves.get(key):
+        for key, default in _SETTING_KEYS.items():
+            if more.get(key, default) != curves.get(key, default):
                 raise ValueError(f"{path} has {key}={more.get(key)!r}, {paths[0]} {curves.get(key)!r}: not comparable")
         for method, runs in more["runs"].items():
             for seed, run in runs.items():
@@ -443,7 +457,7 @@ def plot_decisions(curves: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     colors = plt.get_cmap("tab20").colors
     for i, (method, runs) in enumerate(curves["runs"].items()):
         run = runs[min(runs, key=int)]
@@ -460,7 +474,7 @@ def plot_decisions(curves: dict, path: str) -> None:
     ax.set_ylabel("bytes sent per rank per step (mean of each phase)")
     ax.set_title(f"{curves['model']}, {curves['ranks']} ranks: what each schedule sent (seed {min(curves['seeds'])})")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -170,3 +170,17 @@ def test_load_curves_merges_files_and_refuses_two_different_curves_for_one_run(t
     third.write_text(json.dumps({**setting, "runs": {"dense": {"0": {"curve": [[10, 90.0], [20, 95.5]]}}}}))
     with pytest.raises(ValueError, match=r"dense seed 0 has different curves in .*c\.json"):
         tta.load_curves([str(first), str(third)])
+
+
+def test_load_curves_refuses_runs_with_another_learning_rate_warm_up(tmp_path: Path) -> None:
+    setting = {"model": "lenet", "ranks": 4, "batch": 32, "lr": 0.05, "steps": 20, "eval_every": 10, "holdout": 2000}
+    dense = {"runs": {"dense": {"0": {"curve": [[10, 90.0], [20, 95.0]]}}}}
+    before = tmp_path / "before.json"  # written before lr_warmup was recorded: no warm-up
+    before.write_text(json.dumps({**setting, **dense}))
+    none = tmp_path / "none.json"
+    none.write_text(json.dumps({**setting, "lr_warmup": 0, "momentum": 0.9, **dense}))
+    assert tta.load_curves([str(before), str(none)])["seeds"] == [0]
+    warm = tmp_path / "warm.json"
+    warm.write_text(json.dumps({**setting, "lr_warmup": 100, **dense}))
+    with pytest.raises(ValueError, match=r"warm\.json has lr_warmup=100, .*before\.json None: not comparable"):
+        tta.load_curves([str(before), str(warm)])
