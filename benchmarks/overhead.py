@@ -47,6 +47,7 @@ from lightning_gradcomp.hook import gradcomp_comm_hook
 #: model name -> (builder, input shape, classes, batch size)
 MODELS = {
     "mlp": (lambda: build_model("mlp", 512), (3, 32, 32), 10, 32),
+    "lenet": (lambda: build_model("lenet"), (1, 28, 28), 10, 32),
     "resnet20": (ResNet20, (3, 32, 32), 10, 32),
     "mlp25m": (
         lambda: nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 2048), nn.ReLU(), nn.Linear(2048, 10)),
