@@ -146,13 +146,26 @@ def powersgd_start(method: str, steps: int) -> int:
     return max(2, round(POWERSGD_DOCUMENTED_START * steps)) if method == "powersgd:start-10pct" else 2
 
 
-def attach(method: str, ddp, model, seed: int = 0, overrides: dict[str, Any] | None = None, steps: int = 0):
+def attach(
+    method: str,
+    ddp,
+    model,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    steps: int = 0,
+    serial: bool = True,
+):
     """Register ``method``'s comm hook on ``ddp``; returns our hook (for byte counts) or None.
 
     ``seed`` seeds the method's random draws (our hooks' streams, PowerSGD's initial Q);
     ``overrides`` replace our methods' strategy arguments (e.g. :data:`AFTER_WARMUPS`); ``steps``, the length
-    of the run, sets ``powersgd:start-10pct``'s dense start.
+    of the run, sets ``powersgd:start-10pct``'s dense start. ``serial=False`` registers PyTorch's hooks as
+    they are, overlapping the backward pass (what a step-cost comparison needs), instead of
+    :func:`completed`: the fp16 hook only; the PowerSGD hook, whose callbacks issue further collectives,
+    is completed bucket by bucket whatever ``serial`` says (unwrapped, gloo aborts on a collective
+    mismatch even on 2 ranks).
     """
+    wrap = completed if serial else (lambda hook: hook)
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
     import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
 
@@ -162,7 +175,7 @@ def attach(method: str, ddp, model, seed: int = 0, overrides: dict[str, Any] | N
     if method == "dense":
         return None
     if method == "fp16":
-        ddp.register_comm_hook(None, completed(default_hooks.fp16_compress_hook))
+        ddp.register_comm_hook(None, wrap(default_hooks.fp16_compress_hook))
         return None
     if method.startswith("powersgd"):
         start = powersgd_start(method, steps)

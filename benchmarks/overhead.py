@@ -1,11 +1,13 @@
 """What a compressed step costs next to plain DDP's, on a link that is not slow: the hook's own overhead.
 
 Two ranks over gloo on loopback, one thread each, train the same model on the same batches with
-plain DDP, the dense baseline through the hook (``ddp_gradcomp_dense``) and every named strategy,
-one after the other in ONE launch, so the ratios are measured side by side. Each strategy runs
-with the hook ``GradCompStrategy`` installs for it (``build_hook``) on a hand-made DDP, after its
-warm-ups (compressed from step 2, at its final density: a preset's dense first steps are plain
-DDP's and its density warm-up sends more; the steady state is what this measures). Reported
+plain DDP, PyTorch's own ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 4, compressed from
+step 2; the fp16 hook registered as it is, PowerSGD's completed bucket by bucket, see
+``methods.attach``), the dense baseline through the hook (``ddp_gradcomp_dense``) and every named
+strategy, one after the other in ONE launch, so the ratios are measured side by side. Each
+strategy runs with the hook ``GradCompStrategy`` installs for it (``build_hook``) on a hand-made
+DDP, after its warm-ups (compressed from step 2, at its final density: a preset's dense first
+steps are plain DDP's; the steady state is what this measures). Reported
 per method: ms/step (best of ``--repeats`` timed runs of ``--steps`` steps, after warm-up), the
 ratio to plain DDP, the hook's own breakdown (``StepStats``: compress, communicate, decompress;
 ms/step, rank 0) and each rank's peak resident memory while the method ran (memory freed by the
@@ -37,12 +39,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from methods import AFTER_WARMUPS, OURS, UNNAMED_METHODS, strategy_arguments
+from methods import AFTER_WARMUPS, OURS, UNNAMED_METHODS, attach
 from workloads import build_model
 
-from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.examples.models import ResNet20
-from lightning_gradcomp.hook import gradcomp_comm_hook
 
 #: model name -> (builder, input shape, classes, batch size)
 MODELS = {
@@ -56,7 +56,7 @@ MODELS = {
         16,
     ),
 }
-METHODS = ("ddp", *OURS, *UNNAMED_METHODS)
+METHODS = ("ddp", "fp16", "powersgd", *OURS, *UNNAMED_METHODS)
 
 
 def _kib(field: str) -> int:
@@ -71,10 +71,8 @@ def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: in
     torch.manual_seed(0)
     model = build()
     ddp = DistributedDataParallel(model)
-    hook = None
-    if method != "ddp":
-        hook = GradCompStrategy(**{**strategy_arguments(method), **AFTER_WARMUPS}).build_hook(model)
-        ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    # PyTorch's hooks as they are (overlapping the backward pass); ours after their warm-ups
+    hook = None if method == "ddp" else attach(method, ddp, model, overrides=AFTER_WARMUPS, serial=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(batch, *shape, generator=gen)

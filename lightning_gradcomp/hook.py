@@ -73,6 +73,7 @@ from lightning_gradcomp.schedule import DensityWarmup, Regime, WarmupSchedule
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
 from lightning_gradcomp.validation import check_choice
 from lightning_gradcomp.warm_start import WarmStarts
+from lightning_gradcomp.workspace import Workspace
 
 __all__ = ["GRANULARITIES", "Capture", "GradCompHook", "LayerStats", "StepStats", "gradcomp_comm_hook"]
 
@@ -262,8 +263,8 @@ class GradCompHook:
         # a compressor that compresses a flat unit parameter by parameter is told their shapes
         self._shapes = {u.index: {"shapes": u.shapes} if compressor.takes_shapes else {} for u in self.units}
         self._assembler = UnitAssembler(self.units)
-        self._buffers: dict[int, Tensor] = {}
-        self._means: dict[int, Tensor] = {}
+        # model-sized buffers (a unit's flat copy, its average, its wire summand) kept from step to step
+        self.workspace = Workspace()
         self._dense = IdentityCompressor()
         # identity compressor, no memory, no node structure: DDP's own in-place scaled allreduce of the bucket
         self._dense_only = isinstance(compressor, IdentityCompressor) and isinstance(memory, NoMemory) and not topology
@@ -416,9 +417,10 @@ class GradCompHook:
                     **self._shapes[unit.index],
                 }
                 payload = self.compressor.compress(x, generator, **extra)
-                # the average is decoded into a buffer kept per unit: no allocation per step
-                target = partial(self._kept, self._means, unit, x)
-                contributions.append(Contribution(self.compressor, payload, target))
+                # the average is decoded (or summed) in buffers kept per unit: no allocation per step
+                scratch = self.workspace.scratch(unit.index)
+                target = partial(scratch, "mean", unit.numel, x.dtype, x.device)
+                contributions.append(Contribution(self.compressor, payload, target, scratch))
                 selected = payload.selected
                 stats.numel_compressed += x.numel()
                 stats.payload_bytes += payload.nbytes
@@ -426,7 +428,8 @@ class GradCompHook:
                 if self.track_layers:
                     stats.layers[unit.label] = LayerStats(x.numel(), payload.nbytes, selected)
             else:
-                contributions.append(Contribution(self._dense, self._dense.compress(x)))
+                scratch = self.workspace.scratch(unit.index)
+                contributions.append(Contribution(self._dense, self._dense.compress(x), scratch=scratch))
         pending = self.aggregator.start(contributions, self.topology.collectives) if contributions else None
         waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before  # scales, sizes, node sums
         stats.seconds_compress += time.perf_counter() - start - waited
@@ -482,16 +485,8 @@ class GradCompHook:
         in its shape), or the unit's gradients copied into a flat buffer allocated once and kept."""
         if len(grads) == 1:
             return grads[0].view(unit.shape)
-        return torch.cat(grads, out=self._kept(self._buffers, unit, grads[0]))
-
-    @staticmethod
-    def _kept(store: dict[int, Tensor], unit: Unit, like: Tensor) -> Tensor:
-        """A flat buffer of ``unit``'s size in ``like``'s dtype and device, allocated once and reused every step
-        (a fresh large allocation faults its pages in at every step)."""
-        buffer = store.get(unit.index)
-        if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device:
-            buffer = store[unit.index] = torch.empty(unit.numel, dtype=like.dtype, device=like.device)
-        return buffer
+        like = grads[0]
+        return torch.cat(grads, out=self.workspace.buffer(unit.index, "unit", unit.numel, like.dtype, like.device))
 
     def _record_capture(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_gradcomp.compressors import blocks as blocks_module
 from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor, MagnitudeBlocks
 from lightning_gradcomp.compressors.topk import k_for
@@ -181,6 +182,23 @@ def test_magnitude_blocks_find_exactly_the_entries_above_a_threshold(numel: int)
         assert torch.equal(blocks.above(thr, inclusive=True), torch.nonzero(x.abs() >= thr).reshape(-1))
 
 
+blocks_module_stream = blocks_module.streamed_above
+
+
+def test_magnitude_blocks_copy_out_few_passing_blocks_and_stream_over_many_across_chunk_edges(monkeypatch) -> None:
+    numel = 2 * blocks_module.STREAM_CHUNK + 77
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    x[blocks_module.STREAM_CHUNK - 1 : blocks_module.STREAM_CHUNK + 1] = 9.0  # hits on both sides of a chunk edge
+    streamed = []
+    monkeypatch.setattr(
+        blocks_module, "streamed_above", lambda *args: streamed.append(args[1]) or blocks_module_stream(*args)
+    )
+    blocks = MagnitudeBlocks(x)
+    for thr in (0.5, 2.5, 3.5, 4.5):  # about 95%, 50%, 3% and 0.02% of the blocks of 64 pass
+        assert torch.equal(blocks.above(thr, inclusive=True), torch.nonzero(x.abs() >= thr).reshape(-1))
+    assert streamed == [0.5, 2.5]  # past one block in eight: one streamed pass; below it, the blocks copied out
+
+
 @pytest.mark.parametrize(("numel", "density"), [(D, 0.001), (D, 0.01), (50_000, 0.003), (999, 0.01)])
 def test_dgc_selects_exactly_k_with_the_exact_topk_values(numel: int, density: float) -> None:
     codec = DGCCompressor(density)
@@ -225,3 +243,10 @@ def test_dgc_sample_margin_makes_the_exact_fallback_rare_and_the_fallback_is_exa
 def test_dgc_rejects_bad_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DGCCompressor(**kwargs)
+
+
+@pytest.mark.parametrize("fraction", [0.0001, 0.001, 0.01, 0.5, 1.0])
+def test_at_least_finds_exactly_the_entries_at_or_above_a_threshold_whichever_way_it_takes(fraction: float) -> None:
+    x = torch.randn(200_003, generator=torch.Generator().manual_seed(3))
+    thr = float(torch.quantile(x[:100_000].abs(), 1 - fraction)) if fraction < 1 else 0.0
+    assert torch.equal(blocks_module.at_least(x, thr, fraction), torch.nonzero(x.abs() >= thr).reshape(-1))

@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_gradcomp.comm.collectives import Collectives
 from lightning_gradcomp.compressors import Compressor, Entries, IdentityCompressor, Payload
 from lightning_gradcomp.compressors.sparse import dense_of
+from lightning_gradcomp.workspace import Scratch
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,15 @@ class Contribution:
 
     ``out``, when given, returns a flat tensor of the payload's size and dtype that the aggregator
     overwrites with the mean: a buffer the caller keeps across steps (never storage the payload
-    reads), so that decoding allocates and faults in nothing. It is only called by aggregators that
-    decode into a target, so a caller whose units are all-reduced keeps no buffer for them.
+    reads), so that decoding allocates and faults in nothing. ``scratch`` hands out further kept
+    buffers (:mod:`lightning_gradcomp.workspace`; its ``"mean"`` buffer is ``out``'s) for the
+    allreduce aggregator's summands.
     """
 
     codec: Compressor
     payload: Payload
     out: Callable[[], Tensor] | None = None
+    scratch: Scratch | None = None
 
     def decode_target(self) -> Tensor:
         """``out()`` zeroed, or a fresh zero tensor: where the decoded payloads are summed."""
@@ -144,7 +147,7 @@ class AllreduceAggregator(Aggregator):
 
     def start(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
         world = collectives.world_size
-        summands = [c.codec.summable(c.payload, world) for c in contributions]
+        summands = [c.codec.summable(c.payload, world, c.scratch) for c in contributions]
         first = _reduce_start(summands, collectives)
 
         def finish() -> list[Aggregate]:
@@ -156,7 +159,7 @@ class AllreduceAggregator(Aggregator):
                 for i, total in zip(live, _reduce_start([s for _, s in following], collectives)(), strict=True):
                     totals[i] = total
             return [
-                Aggregate(c.codec.from_sum(total, c.payload, world), local=c)
+                Aggregate(c.codec.from_sum(total, c.payload, world, c.out() if c.out else None), local=c)
                 for c, total in zip(contributions, totals, strict=True)
             ]
 

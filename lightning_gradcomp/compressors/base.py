@@ -29,6 +29,8 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.workspace import Scratch
+
 
 def all_finite(x: Tensor) -> bool:
     """Whether every entry of ``x`` is finite, from one sum (a reduction: no mask is allocated).
@@ -209,14 +211,20 @@ class Compressor(ABC):
         """Whether :meth:`summable` works as configured (the allreduce aggregator relies on it)."""
         return True
 
-    def summable(self, payload: Payload, world_size: int) -> Tensor:
+    def summable(self, payload: Payload, world_size: int, scratch: Scratch | None = None) -> Tensor:
         """A flat tensor whose sum over ranks :meth:`from_sum` turns into the average.
 
         The aggregator reduces it in place, so it must be a tensor of its own, never storage the
-        payload keeps (what reached the average is read off the payload afterwards). Default: the
-        dense decompressed tensor pre-scaled by ``1/P``, as DDP's reducer does.
+        payload keeps (what reached the average is read off the payload afterwards). ``scratch``,
+        when given, hands out buffers kept from step to step (:mod:`lightning_gradcomp.workspace`):
+        the summand is written there instead of into a fresh allocation; its ``"mean"`` buffer is
+        also the ``out`` of :meth:`from_sum`. Default: the dense decompressed tensor pre-scaled by
+        ``1/P``, as DDP's reducer does.
         """
-        return self.decompress(payload) * (1.0 / world_size)
+        dense = self.decompress(payload)
+        if scratch is None:
+            return dense * (1.0 / world_size)
+        return torch.mul(dense, 1.0 / world_size, out=scratch("mean", dense.numel(), dense.dtype, dense.device))
 
     def next_summable(self, payload: Payload, total: Tensor, world_size: int) -> Tensor | None:
         """After a round's ``total`` (the sum over ranks of what this payload last handed over): the
@@ -227,8 +235,9 @@ class Compressor(ABC):
         """
         return None
 
-    def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
-        """The average over ranks (flat, in the payload's dtype) from the summed :meth:`summable`."""
+    def from_sum(self, total: Tensor, payload: Payload, world_size: int, out: Tensor | None = None) -> Tensor:
+        """The average over ranks (flat, in the payload's dtype) from the summed :meth:`summable`, written into
+        ``out`` (a kept buffer of that size and dtype) when one is given and the average is not ``total`` itself."""
         return total
 
     def initial_state(

@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.validation import check_int
+
+#: Past one passing block in this many, :meth:`MagnitudeBlocks.above` streams over the whole tensor instead.
+STREAM_FRACTION = 8
+#: Entries compared at a time by :func:`streamed_above`: its temporaries (5 MiB in float32) stay in cache.
+STREAM_CHUNK = 1 << 20
+
+
+def streamed_above(flat: Tensor, thr: float, compare: Callable[..., Tensor] = torch.gt) -> Tensor:
+    """Ascending indices of the entries of the 1-D ``flat`` with ``compare(|x|, thr)``, chunk by chunk: no
+    temporary of the tensor's size (``|x|`` and its mask of a whole 25M-entry model would be 125 MB)."""
+    size = min(flat.numel(), STREAM_CHUNK)
+    magnitudes = torch.empty(size, dtype=flat.dtype, device=flat.device)
+    mask = torch.empty(size, dtype=torch.bool, device=flat.device)
+    found = []
+    for start in range(0, flat.numel(), STREAM_CHUNK):
+        chunk = flat[start : start + STREAM_CHUNK]
+        n = chunk.numel()
+        torch.abs(chunk, out=magnitudes[:n])
+        compare(magnitudes[:n], thr, out=mask[:n])
+        found.append(torch.nonzero(mask[:n]).reshape(-1).add_(start))
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.long, device=flat.device)
 
 
 class MagnitudeBlocks:
@@ -42,12 +65,28 @@ class MagnitudeBlocks:
         return float(torch.topk(self.peaks, k, sorted=False).values.min())
 
     def above(self, thr: float, inclusive: bool = False) -> Tensor:
-        """Ascending indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``)."""
+        """Ascending indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``).
+
+        When more than one block in :data:`STREAM_FRACTION` passes (a threshold keeping about 1% of the
+        entries reaches half of the blocks of 64), copying those blocks out costs more than one pass
+        over the tensor in cache-sized chunks, which is taken instead.
+        """
         compare = torch.ge if inclusive else torch.gt
         blocks = torch.nonzero(compare(self.peaks[: self._full], thr)).reshape(-1)
+        if blocks.numel() * STREAM_FRACTION > self._full:
+            return streamed_above(self.flat, thr, compare)
         hits = torch.nonzero(compare(self._body.index_select(0, blocks).abs(), thr))
         indices = blocks[hits[:, 0]] * self.block + hits[:, 1]
         if self._tail.numel() and bool(compare(self.peaks[-1], thr)):
             tail = torch.nonzero(compare(self._tail.abs(), thr)).reshape(-1) + self._full * self.block
             indices = torch.cat([indices, tail])
         return indices
+
+
+def at_least(flat: Tensor, thr: float, fraction: float, block: int = 64) -> Tensor:
+    """Ascending indices of the entries with ``|x| >= thr``, where about ``fraction`` of them are expected to be:
+    through block maxima when few blocks would pass, else by one streamed pass (no block maxima to build)."""
+    passing = 1.0 - (1.0 - min(max(fraction, 0.0), 1.0)) ** block  # blocks holding at least one such entry
+    if passing * STREAM_FRACTION > 1.0:
+        return streamed_above(flat, thr, torch.ge)
+    return MagnitudeBlocks(flat, block).above(thr, inclusive=True)

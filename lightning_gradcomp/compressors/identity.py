@@ -9,6 +9,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.workspace import Scratch
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class IdentityCompressor(Compressor):
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         return shape.numel() * torch.empty(0, dtype=dtype).element_size()
 
-    def summable(self, payload: Payload, world_size: int) -> Tensor:
+    def summable(self, payload: Payload, world_size: int, scratch: Scratch | None = None) -> Tensor:
         assert isinstance(payload, DensePayload)
-        return payload.values * (1.0 / world_size)
+        values = payload.values
+        if scratch is None:
+            return values * (1.0 / world_size)
+        return torch.mul(values, 1.0 / world_size, out=scratch("mean", values.numel(), values.dtype, values.device))

@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Entries, Payload
+from lightning_gradcomp.compressors.identity import DensePayload
+from lightning_gradcomp.workspace import Scratch
 
 #: ``wire_precision`` names and the dtypes they send.
 WIRE_PRECISIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -174,22 +176,31 @@ class WirePrecision(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         return self.inner.decompress(self._arrived(payload))
 
-    def summable(self, payload: Payload, world_size: int) -> Tensor:
+    def summable(self, payload: Payload, world_size: int, scratch: Scratch | None = None) -> Tensor:
         assert isinstance(payload, CastPayload)
-        return self._to_wire(self.inner.summable(payload.inner, world_size))
+        return self._to_wire(self.inner.summable(payload.inner, world_size, scratch), scratch, "wire")
 
     def next_summable(self, payload: Payload, total: Tensor, world_size: int) -> Tensor | None:
         assert isinstance(payload, CastPayload)
+        if isinstance(payload.inner, DensePayload):  # a dense sum is done in one round: nothing to cast back here
+            return None
         following = self.inner.next_summable(payload.inner, self._from_wire(total, payload), world_size)
         return None if following is None else self._to_wire(following)
 
-    def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
+    def from_sum(self, total: Tensor, payload: Payload, world_size: int, out: Tensor | None = None) -> Tensor:
         assert isinstance(payload, CastPayload)
-        return self.inner.from_sum(self._from_wire(total, payload), payload.inner, world_size)
+        if out is not None and isinstance(payload.inner, DensePayload) and total.is_floating_point():
+            # a dense sum is the mean itself: cast straight into the kept buffer, no allocation
+            return self.inner.from_sum(out.copy_(total), payload.inner, world_size, out=out)
+        return self.inner.from_sum(self._from_wire(total, payload), payload.inner, world_size, out=out)
 
-    def _to_wire(self, summand: Tensor) -> Tensor:
+    def _to_wire(self, summand: Tensor, scratch: Scratch | None = None, role: str = "") -> Tensor:
         # the inner summand is already divided by the world size: a mean's share, which cannot overflow
-        return summand.to(self.wire) if summand.is_floating_point() else summand
+        if not summand.is_floating_point():
+            return summand
+        if scratch is None:
+            return summand.to(self.wire)
+        return scratch(role, summand.numel(), self.wire, summand.device).copy_(summand)
 
     @staticmethod
     def _from_wire(total: Tensor, payload: CastPayload) -> Tensor:

@@ -29,6 +29,7 @@ from lightning_gradcomp.compressors.ternary import (
     working_dtype,
 )
 from lightning_gradcomp.validation import check_bool, check_number
+from lightning_gradcomp.workspace import Scratch
 
 #: Largest world size whose code sums fit in int8; above it the summable form is int32 (gloo has no int16).
 INT8_WORLD_LIMIT = 127
@@ -167,7 +168,7 @@ class TernGradCompressor(Compressor):
         """Codes add up across ranks only under one shared scaler."""
         return self.share_scale
 
-    def summable(self, payload: Payload, world_size: int) -> Tensor:
+    def summable(self, payload: Payload, world_size: int, scratch: Scratch | None = None) -> Tensor:
         """The codes themselves (int8; int32 above 127 ranks): their sum times ``S / P`` is the average."""
         assert isinstance(payload, TernaryPayload)
         if not payload.shared:
@@ -176,13 +177,20 @@ class TernGradCompressor(Compressor):
                 "use share_scale=True (the hook then passes the MAX over ranks as `scale`) or aggregator='allgather'"
             )
         # a copy: the allreduce sums in place, and the payload's own codes are still read afterwards
-        return payload.codes.clone() if world_size <= INT8_WORLD_LIMIT else payload.codes.to(torch.int32)
+        codes = payload.codes
+        dtype = codes.dtype if world_size <= INT8_WORLD_LIMIT else torch.int32
+        if scratch is None:
+            return codes.to(dtype, copy=True)
+        return scratch("codes", codes.numel(), dtype, codes.device).copy_(codes)
 
-    def from_sum(self, total: Tensor, payload: Payload, world_size: int) -> Tensor:
+    def from_sum(self, total: Tensor, payload: Payload, world_size: int, out: Tensor | None = None) -> Tensor:
         """``round(sum(codes) * S) / P`` in the gradient's dtype (the same rounding as :meth:`accumulate`)."""
         assert isinstance(payload, TernaryPayload)
         work = working_dtype(payload.dtype)
-        return (total.to(work) * payload.scales[0].to(work)).to(payload.dtype).div_(world_size)
+        scale = payload.scales[0].to(work)
+        if out is not None and work == payload.dtype:  # in the kept buffer: the same two roundings, no allocation
+            return out.copy_(total).mul_(scale).div_(world_size)
+        return (total.to(work) * scale).to(payload.dtype).div_(world_size)
 
     def preferred_aggregator(self, world_size: int) -> str:
         """The path moving fewer bytes: allgather hands ``(P-1) d / 4`` bytes, ring allreduce of int8 ~``2 d``.

@@ -1,0 +1,106 @@
+"""Kept buffers: the allreduce path writes its summands and averages into buffers that live from step to step,
+with the very numbers of the allocating path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp.compressors import IdentityCompressor, PowerSGDCompressor, TernGradCompressor, WirePrecision
+from lightning_gradcomp.hook import gradcomp_comm_hook
+from lightning_gradcomp.workspace import Workspace
+
+
+def test_a_buffer_is_kept_by_owner_and_role_and_replaced_only_when_its_form_changes() -> None:
+    space = Workspace()
+    first = space.buffer(0, "mean", 10, torch.float32, torch.device("cpu"))
+    assert space.buffer(0, "mean", 10, torch.float32, torch.device("cpu")) is first
+    assert space.buffer(1, "mean", 10, torch.float32, torch.device("cpu")) is not first
+    assert space.buffer(0, "wire", 10, torch.float16, torch.device("cpu")) is not first
+    assert space.nbytes == 10 * 4 + 10 * 4 + 10 * 2
+    halved = space.buffer(0, "mean", 10, torch.float16, torch.device("cpu"))
+    assert halved.dtype == torch.float16 and space.nbytes == 10 * 2 + 10 * 4 + 10 * 2
+    assert space.scratch(0)("wire", 10, torch.float16, torch.device("cpu")) is space.buffer(
+        0, "wire", 10, torch.float16, torch.device("cpu")
+    )
+
+
+@pytest.mark.parametrize("precision", [None, "fp16", "bf16"])
+def test_dense_summands_and_means_in_kept_buffers_equal_the_allocating_path_bit_for_bit(precision: str | None) -> None:
+    codec = IdentityCompressor() if precision is None else WirePrecision(IdentityCompressor(), precision)
+    space = Workspace()
+    scratch = space.scratch(3)
+    pointers = set()
+    for seed in range(2):
+        xs = [torch.randn(4097, generator=torch.Generator().manual_seed(10 * seed + r)) for r in range(3)]
+        payloads = [codec.compress(x) for x in xs]
+        plain = sum(codec.summable(p, 3) for p in payloads)
+        summand = codec.summable(payloads[0], 3, scratch)
+        for p in payloads[1:]:
+            summand += codec.summable(p, 3)  # stands for the allreduce, in place
+        assert torch.equal(summand, plain)
+        out = scratch("mean", 4097, torch.float32, torch.device("cpu"))
+        mean = codec.from_sum(summand, payloads[0], 3, out=out)
+        assert mean.data_ptr() == out.data_ptr() and torch.equal(mean, codec.from_sum(plain.clone(), payloads[0], 3))
+        pointers.add((summand.data_ptr(), mean.data_ptr()))
+    assert len(pointers) == 1  # the second step wrote into the first step's buffers
+
+
+def test_terngrad_codes_and_average_in_kept_buffers_equal_the_allocating_path_bit_for_bit() -> None:
+    codec = TernGradCompressor(share_scale=True)
+    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    scale = max(codec.local_scale(x) for x in xs)
+    payloads = [
+        codec.compress(x, torch.Generator().manual_seed(r), scale=scale, local_scale=codec.local_scale(x))
+        for r, x in enumerate(xs)
+    ]
+    space = Workspace()
+    summands = [codec.summable(p, 4, space.scratch(r)) for r, p in enumerate(payloads)]
+    for summand, payload in zip(summands, payloads, strict=True):  # a copy: the allreduce sums in place
+        assert torch.equal(summand, payload.codes) and summand.data_ptr() != payload.codes.data_ptr()
+    total = sum(s.to(torch.int32) for s in summands).to(torch.int8)
+    out = torch.empty(3000)
+    assert torch.equal(codec.from_sum(total, payloads[0], 4, out=out), codec.from_sum(total, payloads[0], 4))
+    assert torch.equal(out, codec.from_sum(total, payloads[0], 4))
+
+
+def test_powersgd_second_round_is_m_transposed_p() -> None:
+    codec = PowerSGDCompressor(rank=2)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=generator, dtype=torch.float64)
+    q = codec.initial_state((x.shape,), x.dtype, x.device, torch.Generator().manual_seed(1))
+    payload = codec.compress(x, warm_start=q)
+    total = codec.summable(payload, 1).clone()
+    second = codec.next_summable(payload, total, 1)
+    p_hat = payload.p_hats[0]
+    torch.testing.assert_close(second.view(48, 2), x.T @ p_hat, rtol=1e-12, atol=1e-12)
+
+
+def _workspace_is_allocated_once(rank: int, world: int, method: str) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 100), nn.ReLU(), nn.Linear(100, 10))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
+    hook = GradCompStrategy(**{**NAMED_STRATEGIES[method][1], "warmup_steps": 1, "adaptive": "none"}).build_hook(model)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 300, generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(rank))
+    seen = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        seen.append(sorted((key, t.data_ptr(), t.numel()) for key, t in hook.workspace._buffers.items()))
+    return {"seen": seen, "nbytes": hook.workspace.nbytes}
+
+
+@pytest.mark.parametrize("method", ["ddp_fp16", "ddp_powersgd"])
+def test_after_the_first_compressed_step_the_hook_allocates_no_new_buffer(method: str) -> None:
+    for result in run_ranks(_workspace_is_allocated_once, 2, method):
+        seen = result["seen"]
+        assert seen[1] and seen[1] == seen[2] == seen[3]  # steps 2-4 compressed, in the same buffers
+        assert result["nbytes"] > 0
