@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import Entries, SparseEntries, all_finite
+from lightning_gradcomp.compressors.sparse import dense_of
 from lightning_gradcomp.validation import check_choice, check_number
 
 Sent = Tensor | Entries
@@ -236,10 +237,8 @@ def _zero_where_sent(velocity: Tensor, sent: Sent) -> None:
     """Momentum factor masking (Lin et al., 2018, Sec. 3.2): no velocity where entries were sent."""
     if isinstance(sent, SparseEntries):
         velocity.index_fill_(0, sent.indices, 0)
-    elif isinstance(sent, Tensor):
-        velocity.masked_fill_(sent != 0, 0)
-    else:
-        raise TypeError(f"momentum correction masks sparse payloads' entries; got {type(sent).__name__}")
+    else:  # dense, or entries kept encoded (scaled signs, ternary codes): masked where they are not zero
+        velocity.masked_fill_(dense_of(sent) != 0, 0)
 
 
 class Diana(Memory):

@@ -12,6 +12,7 @@ from test_hook import _make_hook, _train
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
 from lightning_gradcomp.compressors import ScaledSignCompressor, SignPayload
+from lightning_gradcomp.compressors import sign as sign_module
 from lightning_gradcomp.compressors.sign import pack_bits, signs_of
 from lightning_gradcomp.compressors.sparse import dense_of
 from lightning_gradcomp.memory import ErrorFeedback
@@ -113,3 +114,38 @@ def test_on_real_ranks_error_feedback_is_exact_and_ranks_agree(world_size: int) 
     for r in results[1:]:
         for name, value in r["weights"].items():
             assert torch.equal(value, results[0]["weights"][name]), name
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, sign_module.SIGN_CHUNK - 3, sign_module.SIGN_CHUNK * 2 + 13])
+def test_signs_packed_and_decoded_in_chunks_are_the_one_pass_forms_bit_for_bit(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[::5] = 0.0
+    x[1::7] = -0.0  # -0.0 >= 0: sent as +, as every zero
+    assert torch.equal(sign_module.pack_signs(x), pack_bits(x >= 0))
+    payload = ScaledSignCompressor().compress(x)
+    l1 = sign_module.l1_norm(x)
+    assert torch.equal(payload.scale, l1 / max(1, numel)) and l1.dtype == torch.float32
+    if numel <= sign_module.SIGN_CHUNK:
+        assert torch.equal(l1, x.abs().sum())  # one chunk: the one-pass sum itself
+    else:  # float32 pairwise sums of chunks of 2**20 added in float64: within 20 roundings of the exact sum
+        assert float(l1) == pytest.approx(float(x.double().abs().sum()), rel=20 * 2**-24)
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    signs = torch.where(x >= 0, 1.0, -1.0)
+    assert torch.equal(payload.add_to_(base.clone()), base.addcmul(signs, payload.scale))
+
+
+def test_error_feedback_takes_the_signs_encoded_slice_by_slice_with_the_dense_residual_bit_for_bit() -> None:
+    numel = sign_module.SIGN_CHUNK + 1001
+    p = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    payload = ScaledSignCompressor().compress(p)
+    sent = payload.entries()
+    dense = ScaledSignCompressor().decompress(payload)
+    assert torch.equal(sent.to_dense(), dense) and sent.all_finite()
+    assert torch.equal(sent.add_to_(p.clone(), alpha=-1), p - dense)  # the residual p - C(p), one rounding each
+    sizes = [3, 13, sign_module.SIGN_CHUNK - 5, numel - 11 - sign_module.SIGN_CHUNK]  # slices off byte edges
+    slices = sent.split(sizes)
+    assert torch.equal(torch.cat([s.to_dense() for s in slices]), dense)
+    parts = p.split(sizes)
+    assert torch.equal(
+        torch.cat([s.add_to_(q.clone(), alpha=-1) for s, q in zip(slices, parts, strict=True)]), p - dense
+    )

@@ -19,6 +19,9 @@ set bit is ``+``; ``sign(0)`` is sent as ``+``, error feedback keeps the differe
 from __future__ import annotations
 
 import functools
+import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,59 @@ def pack_bits(bits: Tensor) -> Tensor:
         bits = torch.cat([bits, bits.new_zeros(pad)])
     rows = bits.view(-1, 8).to(torch.uint8)
     return (rows * _BIT_WEIGHTS.to(rows.device)).sum(dim=1, dtype=torch.uint8)
+
+
+#: Elements packed or decoded at a time: the temporaries stay in cache and no tensor of the model's size
+#: (a bool mask, the decoded +-1 signs) is allocated per call.
+SIGN_CHUNK = 1 << 20
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def pack_signs(flat: Tensor) -> Tensor:
+    """``pack_bits(flat >= 0)`` for a flat tensor, in chunks: each int64 word of eight 0/1 bytes folded into one
+    byte with shifts (little-endian byte order inside a word; :func:`pack_bits` otherwise)."""
+    numel = flat.numel()
+    if not _LITTLE_ENDIAN or numel == 0:
+        return pack_bits(flat >= 0)
+    packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device)
+    mask = torch.zeros(min(numel + 7, SIGN_CHUNK) // 8 * 8, dtype=torch.bool, device=flat.device)
+    for start in range(0, numel, SIGN_CHUNK):
+        part = flat[start : start + SIGN_CHUNK]
+        n = part.numel()
+        whole = (n + 7) // 8 * 8
+        torch.ge(part, 0, out=mask[:n])
+        mask[n:whole] = False  # the last byte's padding
+        words = mask[:whole].view(torch.uint8).view(torch.int64)
+        folded = words | (words >> 7)  # byte k's bit (at 8k) moves to bit k of the low byte
+        folded |= folded >> 14
+        folded |= folded >> 28
+        packed[start // 8 : start // 8 + whole // 8].copy_(folded)  # keeps the low byte
+    return packed
+
+
+def l1_norm(flat: Tensor) -> Tensor:
+    """``||flat||_1`` as a 0-dim float32 tensor: float32 sums of chunks (``flat.abs().sum()`` for a tensor of one
+    chunk), added in float64; no ``|flat|`` of the tensor's size is allocated."""
+    magnitudes = torch.empty(min(flat.numel(), SIGN_CHUNK), dtype=flat.dtype, device=flat.device)
+    partials = [
+        torch.abs(part, out=magnitudes[: part.numel()]).sum(dtype=torch.float32) for part in flat.split(SIGN_CHUNK)
+    ]
+    if len(partials) <= 1:
+        return partials[0] if partials else flat.new_zeros((), dtype=torch.float32)
+    return torch.stack(partials).sum(dtype=torch.float64).to(torch.float32)
+
+
+def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, first: int = 0) -> Tensor:
+    """``out += scale * sign`` for the ``out.numel()`` signs of ``packed`` from sign number ``first`` on, decoded
+    chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would)."""
+    for start in range(0, out.numel(), SIGN_CHUNK):
+        target = out[start : start + SIGN_CHUNK]
+        begin = first + start
+        head = begin % 8
+        bytes_ = packed[begin // 8 : (begin + target.numel() + 7) // 8]
+        signs = signs_of(bytes_, head + target.numel(), out.dtype)[head:]
+        target.addcmul_(signs, scale)
+    return out
 
 
 @functools.cache
@@ -75,7 +131,35 @@ class SignPayload(Payload):
 
     def add_to_(self, out: Tensor) -> Tensor:
         """``out += scale * sign`` (flat ``out``), each element rounded once (``+-scale`` is exact)."""
-        return out.addcmul_(signs_of(self.bits, self.numel, out.dtype), self.scale.to(out.dtype))
+        return add_signs_(out, self.bits, self.scale.to(out.dtype))
+
+    def entries(self) -> SignEntries:
+        """The signs with their scale, added into error feedback's residual without a dense decoded copy."""
+        return SignEntries(self.bits, self.scale, 0, self.numel)
+
+
+@dataclass(frozen=True)
+class SignEntries:
+    """Signs ``first .. first + numel`` of a packed payload with its scale: what error feedback takes from it."""
+
+    bits: Tensor
+    scale: Tensor
+    first: int
+    numel: int
+
+    def to_dense(self) -> Tensor:
+        return self.add_to_(torch.zeros(self.numel, dtype=torch.float32, device=self.bits.device))
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        """``out += alpha * scale * sign``: for ``alpha = -1`` the residual ``p - C(p)``, one rounding per element."""
+        return add_signs_(out, self.bits, self.scale.to(out.dtype) * alpha, self.first)
+
+    def all_finite(self) -> bool:
+        return math.isfinite(float(self.scale))
+
+    def split(self, numels: Sequence[int]) -> list[SignEntries]:
+        starts = [self.first + sum(numels[:i]) for i in range(len(numels))]
+        return [SignEntries(self.bits, self.scale, start, n) for start, n in zip(starts, numels, strict=True)]
 
 
 class ScaledSignCompressor(Compressor):
@@ -94,8 +178,8 @@ class ScaledSignCompressor(Compressor):
 
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> SignPayload:
         flat = x.detach().reshape(-1)
-        magnitude = flat.abs().sum(dtype=torch.float32) / max(1, flat.numel())
-        return SignPayload(magnitude, pack_bits(flat >= 0), x.shape, x.dtype)
+        magnitude = l1_norm(flat) / max(1, flat.numel())
+        return SignPayload(magnitude, pack_signs(flat), x.shape, x.dtype)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SignPayload:
         numel = shape.numel()
