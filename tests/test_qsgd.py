@@ -13,6 +13,7 @@ from test_terngrad import Z_LIMIT, assert_unbiased
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import LevelsPayload, QSGDCompressor
+from lightning_gradcomp.compressors import qsgd as qsgd_module
 from lightning_gradcomp.memory import Diana
 
 
@@ -113,3 +114,34 @@ def test_on_real_ranks_diana_with_qsgd_keeps_ranks_identical(world_size: int) ->
     for r in results[1:]:
         for name, value in r["weights"].items():
             assert torch.equal(value, results[0]["weights"][name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("block_size", [512, 1000, None])
+def test_levels_added_chunk_by_chunk_equal_the_dense_decode_bit_for_bit(dtype: torch.dtype, block_size) -> None:
+    numel = qsgd_module.LEVELS_CHUNK + 3001  # pieces that end off the block edges when 1000 does not divide them
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    payload = QSGDCompressor(block_size=block_size).compress(x, torch.Generator().manual_seed(5))
+    dense = payload.dense()
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(6)).to(dtype)
+    assert torch.equal(payload.add_to_(base.clone()), base.clone().add_(dense.to(dtype)))
+    assert torch.equal(payload.add_to_(base.clone(), alpha=0.3), base.clone().add_(dense.to(dtype), alpha=0.3))
+    entries = payload.entries()
+    assert entries.all_finite() and torch.equal(entries.to_dense(), dense.to(dtype))
+    sizes = [7, 1000, qsgd_module.LEVELS_CHUNK - 500, numel - 507 - qsgd_module.LEVELS_CHUNK]
+    for piece, start, n in zip(
+        entries.split(sizes), [0, 7, 1007, 1007 + qsgd_module.LEVELS_CHUNK - 500], sizes, strict=True
+    ):
+        part = base[start : start + n].clone()
+        assert torch.equal(
+            piece.add_to_(part, alpha=-0.5),
+            base[start : start + n].clone().add_(dense[start : start + n].to(dtype), alpha=-0.5),
+        )
+
+
+def test_a_slice_is_finite_when_the_norms_of_its_own_blocks_are() -> None:
+    x = torch.randn(2048, generator=torch.Generator().manual_seed(0))
+    payload = QSGDCompressor(block_size=512).compress(x, torch.Generator().manual_seed(1))
+    payload.norms[3] = float("inf")
+    first, last = payload.entries().split([1536, 512])
+    assert first.all_finite() and not last.all_finite() and not payload.entries().all_finite()

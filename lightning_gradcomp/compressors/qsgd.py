@@ -21,6 +21,7 @@ so the allgather needs no exchange of sizes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ from lightning_gradcomp.validation import check_int
 #: paper's bucketing: a norm per bucket keeps the variance bound independent of the layer size).
 DEFAULT_LEVELS = 7
 DEFAULT_QSGD_BLOCK = 512
+#: Elements decoded at a time by :meth:`LevelsPayload.add_to_` (its buffer: 4 MiB in float32).
+LEVELS_CHUNK = 1 << 20
 
 
 def code_bits(levels: int) -> int:
@@ -96,6 +99,63 @@ class LevelsPayload(Payload):
         values = self.codes.to(working_dtype(self.dtype))
         return scale_blocks_(values, self.norms.to(values.dtype) / self.levels, self.block)
 
+    def add_to_(self, out: Tensor, alpha: float = 1.0, first: int = 0) -> Tensor:
+        """``out += alpha * decoded[first : first + out.numel()]``, decoded chunk by chunk into a small buffer:
+        the same products and roundings as adding :meth:`dense` (cast to ``out``'s dtype), no tensor of the
+        model's size."""
+        work = working_dtype(self.dtype)
+        scales = self.norms.to(work) / self.levels
+        block, n = self.block, out.numel()
+        buffer = torch.empty(min(n, LEVELS_CHUNK), dtype=work, device=out.device)
+        done = 0
+        while done < n:
+            start = first + done
+            # a block edge unless it is the last piece, or blocks are longer than a chunk
+            edge = start - start % block + LEVELS_CHUNK
+            end = min(first + n, edge if edge > start else start + LEVELS_CHUNK)
+            values = buffer[: end - start].copy_(self.codes[start:end])
+            head = min((-start) % block, end - start)  # the rest of the block ``start`` lies in
+            if head:
+                values[:head].mul_(scales[start // block])
+            scale_blocks_(values[head:], scales[(start + head) // block :], block)
+            target = out[done : done + end - start]
+            target.add_(values if out.dtype == work else values.to(out.dtype), alpha=alpha)
+            done += end - start
+        return out
+
+    def entries(self) -> LevelsEntries:
+        """The levels with their norms, added into DIANA's shift without a decoded copy."""
+        return LevelsEntries(self, 0, self.numel)
+
+
+@dataclass(frozen=True)
+class LevelsEntries:
+    """Elements ``first .. first + numel`` of a QSGD payload, decoded only where they are added."""
+
+    payload: LevelsPayload
+    first: int
+    numel: int
+
+    def to_dense(self) -> Tensor:
+        out = torch.zeros(self.numel, dtype=self.payload.dtype, device=self.payload.device)
+        return self.payload.add_to_(out, first=self.first)
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        return self.payload.add_to_(out, alpha, self.first)
+
+    def all_finite(self) -> bool:
+        """Whether the norms of the blocks this slice touches are finite (the levels are integers)."""
+        if not self.numel:
+            return True
+        block = self.payload.block
+        return bool(
+            torch.isfinite(self.payload.norms[self.first // block : (self.first + self.numel - 1) // block + 1]).all()
+        )
+
+    def split(self, numels: Sequence[int]) -> list[LevelsEntries]:
+        starts = [self.first + sum(numels[:i]) for i in range(len(numels))]
+        return [LevelsEntries(self.payload, start, n) for start, n in zip(starts, numels, strict=True)]
+
 
 class QSGDCompressor(BlockQuantizer):
     """QSGD: per block, the 2-norm and stochastic levels in ``{-s..s}`` (unbiased; Alistarh et al. 2017).
@@ -150,7 +210,7 @@ class QSGDCompressor(BlockQuantizer):
 
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         assert isinstance(payload, LevelsPayload)
-        return out.add_(payload.dense().to(out.dtype))
+        return payload.add_to_(out)
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, LevelsPayload)
