@@ -43,11 +43,23 @@ def pack_2bit(codes: Tensor) -> Tensor:
         raise ValueError(f"codes must be an int8 tensor, got {codes.dtype}")
     flat = codes.reshape(-1)
     numel = flat.numel()
-    biased = torch.empty(packed_nbytes(numel) * CODES_PER_BYTE, dtype=torch.uint8, device=codes.device)
-    # uint8 arithmetic wraps: -1 (0xFF) + 1 = 0, 0 + 1 = 1, 1 + 1 = 2.
-    torch.add(flat.view(torch.uint8), 1, out=biased[:numel])
-    biased[numel:] = 1
-    return _pack_words(biased) if _LITTLE_ENDIAN else _pack_columns(biased)
+    packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8, device=codes.device)
+    # in chunks through one small buffer: no temporaries of the codes' size (their page faults cost more
+    # than the packing on a 25M-element model)
+    biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, PACK_CHUNK), dtype=torch.uint8, device=codes.device)
+    for start in range(0, numel, PACK_CHUNK):
+        n = min(PACK_CHUNK, numel - start)
+        whole = -(-n // CODES_PER_BYTE) * CODES_PER_BYTE
+        # uint8 arithmetic wraps: -1 (0xFF) + 1 = 0, 0 + 1 = 1, 1 + 1 = 2.
+        torch.add(flat[start : start + n].view(torch.uint8), 1, out=biased[:n])
+        biased[n:whole] = 1
+        out = packed[start // CODES_PER_BYTE : (start + whole) // CODES_PER_BYTE]
+        out.copy_(_pack_words(biased[:whole]) if _LITTLE_ENDIAN else _pack_columns(biased[:whole]))
+    return packed
+
+
+#: Codes packed at a time by :func:`pack_2bit` (a multiple of 4).
+PACK_CHUNK = 1 << 20
 
 
 def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
