@@ -125,7 +125,15 @@ def test_levels_added_chunk_by_chunk_equal_the_dense_decode_bit_for_bit(dtype: t
     dense = payload.dense()
     base = torch.randn(numel, generator=torch.Generator().manual_seed(6)).to(dtype)
     assert torch.equal(payload.add_to_(base.clone()), base.clone().add_(dense.to(dtype)))
-    assert torch.equal(payload.add_to_(base.clone(), alpha=0.3), base.clone().add_(dense.to(dtype), alpha=0.3))
+    scaled = payload.add_to_(base.clone(), alpha=0.3)
+    expected = base.clone().add_(dense.to(dtype), alpha=0.3)
+    if dtype == torch.bfloat16:
+        # torch's own bfloat16 add with alpha rounds alpha * x in its vectorised body but not in its scalar tail
+        # (where a thread's share ends decides which): the two orders differ by at most one rounding of each term
+        bound = 2**-8 * (expected.float().abs() + (0.3 * dense.to(dtype).float()).abs())
+        assert bool(((scaled.float() - expected.float()).abs() <= bound).all())
+    else:
+        assert torch.equal(scaled, expected)
     entries = payload.entries()
     assert entries.all_finite() and torch.equal(entries.to_dense(), dense.to(dtype))
     sizes = [7, 1000, qsgd_module.LEVELS_CHUNK - 500, numel - 507 - qsgd_module.LEVELS_CHUNK]
