@@ -141,6 +141,8 @@ def test_error_feedback_takes_the_signs_encoded_slice_by_slice_with_the_dense_re
     sent = payload.entries()
     dense = ScaledSignCompressor().decompress(payload)
     assert torch.equal(sent.to_dense(), dense) and sent.all_finite()
+    half = ScaledSignCompressor().compress(p.to(torch.bfloat16)).entries()
+    assert half.to_dense().dtype == torch.bfloat16 and half.split([5, numel - 5])[1].to_dense().dtype == torch.bfloat16
     assert torch.equal(sent.add_to_(p.clone(), alpha=-1), p - dense)  # the residual p - C(p), one rounding each
     sizes = [3, 13, sign_module.SIGN_CHUNK - 5, numel - 11 - sign_module.SIGN_CHUNK]  # slices off byte edges
     slices = sent.split(sizes)

@@ -135,7 +135,7 @@ class SignPayload(Payload):
 
     def entries(self) -> SignEntries:
         """The signs with their scale, added into error feedback's residual without a dense decoded copy."""
-        return SignEntries(self.bits, self.scale, 0, self.numel)
+        return SignEntries(self.bits, self.scale, 0, self.numel, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,10 @@ class SignEntries:
     scale: Tensor
     first: int
     numel: int
+    dtype: torch.dtype
 
     def to_dense(self) -> Tensor:
-        return self.add_to_(torch.zeros(self.numel, dtype=torch.float32, device=self.bits.device))
+        return self.add_to_(torch.zeros(self.numel, dtype=self.dtype, device=self.bits.device))
 
     def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
         """``out += alpha * scale * sign``: for ``alpha = -1`` the residual ``p - C(p)``, one rounding per element."""
@@ -159,7 +160,9 @@ class SignEntries:
 
     def split(self, numels: Sequence[int]) -> list[SignEntries]:
         starts = [self.first + sum(numels[:i]) for i in range(len(numels))]
-        return [SignEntries(self.bits, self.scale, start, n) for start, n in zip(starts, numels, strict=True)]
+        return [
+            SignEntries(self.bits, self.scale, start, n, self.dtype) for start, n in zip(starts, numels, strict=True)
+        ]
 
 
 class ScaledSignCompressor(Compressor):
