@@ -15,6 +15,7 @@ methods before it is handed back to the system first, ``malloc_trim``).
 
     python benchmarks/overhead.py --model mlp --model resnet20 --json benchmarks/results/overhead.json
     python benchmarks/overhead.py --model mlp25m --steps 5 --repeats 1
+    python benchmarks/overhead.py --model mlp25m --isolate --methods ddp,ddp_topk   # peak memory, a process pair each
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: in
             row[part] = 1e3 * sum(getattr(s, f"seconds_{part}") for s in timed) / max(1, len(timed))
         row["bytes_sent"] = sum(s.bytes_sent for s in timed) / max(1, len(timed))
         row["collectives"] = sum(s.collectives for s in timed) / max(1, len(timed))
+        # what the method must keep (residuals, shifts, warm starts) and what the hook keeps to work in
+        state = [*hook.memory.state_dict().values(), *hook.warm_starts.state_dict().values()]
+        row["state_mib"] = sum(t.numel() * t.element_size() for t in state) / 2**20
+        row["buffers_mib"] = hook.workspace.nbytes / 2**20
     return row
 
 
@@ -124,14 +129,16 @@ def _table(model_name: str, ranks: list[list[dict]]) -> str:
     rows = ranks[0]
     base = rows[0]["ms_per_step"] if rows[0]["method"] == "ddp" else float("nan")
     lines = [
-        f"\n{model_name}: ms/step, x plain DDP, the hook's breakdown on rank 0 (ms/step), peak RSS per rank (MiB)",
+        f"\n{model_name}: ms/step, x plain DDP, the hook's breakdown on rank 0 (ms/step), the method's state and the"
+        " hook's kept buffers on rank 0 (MiB), peak RSS per rank (MiB)",
         f"{'method':<20}{'ms/step':>9}{'x DDP':>7}{'compress':>10}{'communicate':>13}{'decompress':>12}"
-        f"{'collectives':>13}{'peak RSS':>18}",
+        f"{'collectives':>13}{'state':>8}{'buffers':>9}{'peak RSS':>18}",
     ]
     for i, r in enumerate(rows):
         peaks = "/".join(f"{rank_rows[i]['peak_rss_mib']:.0f}" for rank_rows in ranks)
         parts = "".join(f"{r[p]:>{w}.1f}" if p in r else f"{'':>{w}}" for p, w in
-                        (("compress", 10), ("communicate", 13), ("decompress", 12), ("collectives", 13)))  # fmt: skip
+                        (("compress", 10), ("communicate", 13), ("decompress", 12), ("collectives", 13),
+                         ("state_mib", 8), ("buffers_mib", 9)))  # fmt: skip
         lines.append(f"{r['method']:<20}{r['ms_per_step']:>9.1f}{r['ms_per_step'] / base:>7.2f}{parts}{peaks:>18}")
     return "\n".join(lines)
 
@@ -144,13 +151,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="one fresh process pair per method: its peak RSS owes nothing to what earlier methods allocated",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.model = args.model or ["mlp"]
     os.environ.update(OMP_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(args.ranks, args, str(Path(out) / "store"), out), nprocs=args.ranks)
-        ranks = [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(args.ranks)]
+    launches = [[method] for method in args.methods.split(",")] if args.isolate else [args.methods.split(",")]
+    ranks: list[dict[str, list[dict]]] = [{model: [] for model in args.model} for _ in range(args.ranks)]
+    for methods in launches:
+        launch = argparse.Namespace(**{**vars(args), "methods": ",".join(methods)})
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(_worker, args=(args.ranks, launch, str(Path(out) / "store"), out), nprocs=args.ranks)
+            for rank, rows in enumerate(
+                torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(args.ranks)
+            ):
+                for model in args.model:
+                    ranks[rank][model] += rows[model]
     for model_name in args.model:
         print(_table(model_name, [r[model_name] for r in ranks]))
     if args.json:
