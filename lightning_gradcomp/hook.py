@@ -409,6 +409,7 @@ class GradCompHook:
         scales = self._shared_scales([unit for unit, _ in mine], tensors)
         contributions = []
         for (unit, _), x in zip(mine, tensors, strict=True):
+            scratch = self.workspace.scratch(unit.index)  # the unit's kept buffers: no allocation per step
             if unit.compressed:
                 generator = self.streams.generator(x.device, self.step, unit.key)
                 extra = {
@@ -417,8 +418,6 @@ class GradCompHook:
                     **self._shapes[unit.index],
                 }
                 payload = self.compressor.compress(x, generator, **extra)
-                # the average is decoded (or summed) in buffers kept per unit: no allocation per step
-                scratch = self.workspace.scratch(unit.index)
                 target = partial(scratch, "mean", unit.numel, x.dtype, x.device)
                 contributions.append(Contribution(self.compressor, payload, target, scratch))
                 selected = payload.selected
@@ -428,7 +427,6 @@ class GradCompHook:
                 if self.track_layers:
                     stats.layers[unit.label] = LayerStats(x.numel(), payload.nbytes, selected)
             else:
-                scratch = self.workspace.scratch(unit.index)
                 contributions.append(Contribution(self._dense, self._dense.compress(x), scratch=scratch))
         pending = self.aggregator.start(contributions, self.topology.collectives) if contributions else None
         waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before  # scales, sizes, node sums

@@ -119,7 +119,7 @@ def test_on_real_ranks_diana_with_qsgd_keeps_ranks_identical(world_size: int) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("block_size", [512, 1000, None])
 def test_levels_added_chunk_by_chunk_equal_the_dense_decode_bit_for_bit(dtype: torch.dtype, block_size) -> None:
-    numel = qsgd_module.LEVELS_CHUNK + 3001  # pieces that end off the block edges when 1000 does not divide them
+    numel = qsgd_module.STREAM_CHUNK + 3001  # pieces that end off the block edges when 1000 does not divide them
     x = (torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
     payload = QSGDCompressor(block_size=block_size).compress(x, torch.Generator().manual_seed(5))
     dense = payload.dense()
@@ -136,9 +136,9 @@ def test_levels_added_chunk_by_chunk_equal_the_dense_decode_bit_for_bit(dtype: t
         assert torch.equal(scaled, expected)
     entries = payload.entries()
     assert entries.all_finite() and torch.equal(entries.to_dense(), dense.to(dtype))
-    sizes = [7, 1000, qsgd_module.LEVELS_CHUNK - 500, numel - 507 - qsgd_module.LEVELS_CHUNK]
+    sizes = [7, 1000, qsgd_module.STREAM_CHUNK - 500, numel - 507 - qsgd_module.STREAM_CHUNK]
     for piece, start, n in zip(
-        entries.split(sizes), [0, 7, 1007, 1007 + qsgd_module.LEVELS_CHUNK - 500], sizes, strict=True
+        entries.split(sizes), [0, 7, 1007, 1007 + qsgd_module.STREAM_CHUNK - 500], sizes, strict=True
     ):
         part = base[start : start + n].clone()
         assert torch.equal(

@@ -116,7 +116,7 @@ def test_on_real_ranks_error_feedback_is_exact_and_ranks_agree(world_size: int) 
             assert torch.equal(value, results[0]["weights"][name]), name
 
 
-@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, sign_module.SIGN_CHUNK - 3, sign_module.SIGN_CHUNK * 2 + 13])
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, sign_module.STREAM_CHUNK - 3, sign_module.STREAM_CHUNK * 2 + 13])
 def test_signs_packed_and_decoded_in_chunks_are_the_one_pass_forms_bit_for_bit(numel: int) -> None:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     x[::5] = 0.0
@@ -125,7 +125,7 @@ def test_signs_packed_and_decoded_in_chunks_are_the_one_pass_forms_bit_for_bit(n
     payload = ScaledSignCompressor().compress(x)
     l1 = sign_module.l1_norm(x)
     assert torch.equal(payload.scale, l1 / max(1, numel)) and l1.dtype == torch.float32
-    if numel <= sign_module.SIGN_CHUNK:
+    if numel <= sign_module.STREAM_CHUNK:
         assert torch.equal(l1, x.abs().sum())  # one chunk: the one-pass sum itself
     else:  # float32 pairwise sums of chunks of 2**20 added in float64: within 20 roundings of the exact sum
         assert float(l1) == pytest.approx(float(x.double().abs().sum()), rel=20 * 2**-24)
@@ -135,7 +135,7 @@ def test_signs_packed_and_decoded_in_chunks_are_the_one_pass_forms_bit_for_bit(n
 
 
 def test_error_feedback_takes_the_signs_encoded_slice_by_slice_with_the_dense_residual_bit_for_bit() -> None:
-    numel = sign_module.SIGN_CHUNK + 1001
+    numel = sign_module.STREAM_CHUNK + 1001
     p = torch.randn(numel, generator=torch.Generator().manual_seed(2))
     payload = ScaledSignCompressor().compress(p)
     sent = payload.entries()
@@ -144,7 +144,7 @@ def test_error_feedback_takes_the_signs_encoded_slice_by_slice_with_the_dense_re
     half = ScaledSignCompressor().compress(p.to(torch.bfloat16)).entries()
     assert half.to_dense().dtype == torch.bfloat16 and half.split([5, numel - 5])[1].to_dense().dtype == torch.bfloat16
     assert torch.equal(sent.add_to_(p.clone(), alpha=-1), p - dense)  # the residual p - C(p), one rounding each
-    sizes = [3, 13, sign_module.SIGN_CHUNK - 5, numel - 11 - sign_module.SIGN_CHUNK]  # slices off byte edges
+    sizes = [3, 13, sign_module.STREAM_CHUNK - 5, numel - 11 - sign_module.STREAM_CHUNK]  # slices off byte edges
     slices = sent.split(sizes)
     assert torch.equal(torch.cat([s.to_dense() for s in slices]), dense)
     parts = p.split(sizes)

@@ -66,7 +66,7 @@ def assert_unbiased(
 
 
 @pytest.mark.parametrize(
-    "numel", [0, 1, 2, 3, 4, 5, 7, 8, 9, 1001, 4099, ternary.PACK_CHUNK + 3, 2 * ternary.PACK_CHUNK]
+    "numel", [0, 1, 2, 3, 4, 5, 7, 8, 9, 1001, 4099, ternary.STREAM_CHUNK + 3, 2 * ternary.STREAM_CHUNK]
 )
 def test_pack_unpack_round_trip_for_every_length(numel: int) -> None:
     gen = torch.Generator().manual_seed(numel)

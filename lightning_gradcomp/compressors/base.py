@@ -31,6 +31,12 @@ from torch import Tensor
 
 from lightning_gradcomp.workspace import Scratch
 
+#: Elements a codec handles at a time when it streams over a tensor (packing, decoding, comparing): its
+#: temporaries (a few MiB) stay in cache, and nothing of the model's size is allocated per call, whose
+#: page faults cost more than the arithmetic on a large model. A power of two: every chunk but the last fills
+#: whole bytes of packed codes (4 ternary codes, 8 signs a byte).
+STREAM_CHUNK = 1 << 20
+
 
 def all_finite(x: Tensor) -> bool:
     """Whether every entry of ``x`` is finite, from one sum (a reduction: no mask is allocated).

@@ -7,12 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.validation import check_int
 
 #: Past one passing block in this many, :meth:`MagnitudeBlocks.above` streams over the whole tensor instead.
 STREAM_FRACTION = 8
-#: Entries compared at a time by :func:`streamed_above`: its temporaries (5 MiB in float32) stay in cache.
-STREAM_CHUNK = 1 << 20
 
 
 def streamed_above(flat: Tensor, thr: float, compare: Callable[..., Tensor] = torch.gt) -> Tensor:

@@ -9,7 +9,6 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
-from lightning_gradcomp.workspace import Scratch
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,3 @@ class IdentityCompressor(Compressor):
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         return shape.numel() * torch.empty(0, dtype=dtype).element_size()
-
-    def summable(self, payload: Payload, world_size: int, scratch: Scratch | None = None) -> Tensor:
-        assert isinstance(payload, DensePayload)
-        values = payload.values
-        if scratch is None:
-            return values * (1.0 / world_size)
-        return torch.mul(values, 1.0 / world_size, out=scratch("mean", values.numel(), values.dtype, values.device))

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Payload
+from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, stochastic_ternary, working_dtype
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
@@ -37,8 +38,6 @@ from lightning_gradcomp.validation import check_int
 #: paper's bucketing: a norm per bucket keeps the variance bound independent of the layer size).
 DEFAULT_LEVELS = 7
 DEFAULT_QSGD_BLOCK = 512
-#: Elements decoded at a time by :meth:`LevelsPayload.add_to_` (its buffer: 4 MiB in float32).
-LEVELS_CHUNK = 1 << 20
 
 
 def code_bits(levels: int) -> int:
@@ -106,13 +105,13 @@ class LevelsPayload(Payload):
         work = working_dtype(self.dtype)
         scales = self.norms.to(work) / self.levels
         block, n = self.block, out.numel()
-        buffer = torch.empty(min(n, LEVELS_CHUNK), dtype=work, device=out.device)
+        buffer = torch.empty(min(n, STREAM_CHUNK), dtype=work, device=out.device)
         done = 0
         while done < n:
             start = first + done
             # a block edge unless it is the last piece, or blocks are longer than a chunk
-            edge = start - start % block + LEVELS_CHUNK
-            end = min(first + n, edge if edge > start else start + LEVELS_CHUNK)
+            edge = start - start % block + STREAM_CHUNK
+            end = min(first + n, edge if edge > start else start + STREAM_CHUNK)
             values = buffer[: end - start].copy_(self.codes[start:end])
             head = min((-start) % block, end - start)  # the rest of the block ``start`` lies in
             if head:
@@ -153,7 +152,7 @@ class LevelsEntries:
         )
 
     def split(self, numels: Sequence[int]) -> list[LevelsEntries]:
-        starts = [self.first + sum(numels[:i]) for i in range(len(numels))]
+        starts = accumulate(numels[:-1], initial=self.first)
         return [LevelsEntries(self.payload, start, n) for start, n in zip(starts, numels, strict=True)]
 
 

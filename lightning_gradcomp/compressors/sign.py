@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.base import STREAM_CHUNK, Compressor, Payload
+from lightning_gradcomp.compressors.ternary import LITTLE_ENDIAN
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -42,22 +43,16 @@ def pack_bits(bits: Tensor) -> Tensor:
     return (rows * _BIT_WEIGHTS.to(rows.device)).sum(dim=1, dtype=torch.uint8)
 
 
-#: Elements packed or decoded at a time: the temporaries stay in cache and no tensor of the model's size
-#: (a bool mask, the decoded +-1 signs) is allocated per call.
-SIGN_CHUNK = 1 << 20
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
 def pack_signs(flat: Tensor) -> Tensor:
     """``pack_bits(flat >= 0)`` for a flat tensor, in chunks: each int64 word of eight 0/1 bytes folded into one
     byte with shifts (little-endian byte order inside a word; :func:`pack_bits` otherwise)."""
     numel = flat.numel()
-    if not _LITTLE_ENDIAN or numel == 0:
+    if not LITTLE_ENDIAN or numel == 0:
         return pack_bits(flat >= 0)
     packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device)
-    mask = torch.zeros(min(numel + 7, SIGN_CHUNK) // 8 * 8, dtype=torch.bool, device=flat.device)
-    for start in range(0, numel, SIGN_CHUNK):
-        part = flat[start : start + SIGN_CHUNK]
+    mask = torch.zeros(min(numel + 7, STREAM_CHUNK) // 8 * 8, dtype=torch.bool, device=flat.device)
+    for start in range(0, numel, STREAM_CHUNK):
+        part = flat[start : start + STREAM_CHUNK]
         n = part.numel()
         whole = (n + 7) // 8 * 8
         torch.ge(part, 0, out=mask[:n])
@@ -73,9 +68,9 @@ def pack_signs(flat: Tensor) -> Tensor:
 def l1_norm(flat: Tensor) -> Tensor:
     """``||flat||_1`` as a 0-dim float32 tensor: float32 sums of chunks (``flat.abs().sum()`` for a tensor of one
     chunk), added in float64; no ``|flat|`` of the tensor's size is allocated."""
-    magnitudes = torch.empty(min(flat.numel(), SIGN_CHUNK), dtype=flat.dtype, device=flat.device)
+    magnitudes = torch.empty(min(flat.numel(), STREAM_CHUNK), dtype=flat.dtype, device=flat.device)
     partials = [
-        torch.abs(part, out=magnitudes[: part.numel()]).sum(dtype=torch.float32) for part in flat.split(SIGN_CHUNK)
+        torch.abs(part, out=magnitudes[: part.numel()]).sum(dtype=torch.float32) for part in flat.split(STREAM_CHUNK)
     ]
     if len(partials) <= 1:
         return partials[0] if partials else flat.new_zeros((), dtype=torch.float32)
@@ -85,8 +80,8 @@ def l1_norm(flat: Tensor) -> Tensor:
 def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, first: int = 0) -> Tensor:
     """``out += scale * sign`` for the ``out.numel()`` signs of ``packed`` from sign number ``first`` on, decoded
     chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would)."""
-    for start in range(0, out.numel(), SIGN_CHUNK):
-        target = out[start : start + SIGN_CHUNK]
+    for start in range(0, out.numel(), STREAM_CHUNK):
+        target = out[start : start + STREAM_CHUNK]
         begin = first + start
         head = begin % 8
         bytes_ = packed[begin // 8 : (begin + target.numel() + 7) // 8]
@@ -159,7 +154,7 @@ class SignEntries:
         return math.isfinite(float(self.scale))
 
     def split(self, numels: Sequence[int]) -> list[SignEntries]:
-        starts = [self.first + sum(numels[:i]) for i in range(len(numels))]
+        starts = accumulate(numels[:-1], initial=self.first)
         return [
             SignEntries(self.bits, self.scale, start, n, self.dtype) for start, n in zip(starts, numels, strict=True)
         ]

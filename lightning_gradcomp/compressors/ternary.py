@@ -22,7 +22,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Payload, all_finite
+from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finite
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 CODES_PER_BYTE = 4
@@ -46,20 +46,16 @@ def pack_2bit(codes: Tensor) -> Tensor:
     packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8, device=codes.device)
     # in chunks through one small buffer: no temporaries of the codes' size (their page faults cost more
     # than the packing on a 25M-element model)
-    biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, PACK_CHUNK), dtype=torch.uint8, device=codes.device)
-    for start in range(0, numel, PACK_CHUNK):
-        n = min(PACK_CHUNK, numel - start)
+    biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, STREAM_CHUNK), dtype=torch.uint8, device=codes.device)
+    for start in range(0, numel, STREAM_CHUNK):
+        n = min(STREAM_CHUNK, numel - start)
         whole = -(-n // CODES_PER_BYTE) * CODES_PER_BYTE
         # uint8 arithmetic wraps: -1 (0xFF) + 1 = 0, 0 + 1 = 1, 1 + 1 = 2.
         torch.add(flat[start : start + n].view(torch.uint8), 1, out=biased[:n])
         biased[n:whole] = 1
         out = packed[start // CODES_PER_BYTE : (start + whole) // CODES_PER_BYTE]
-        out.copy_(_pack_words(biased[:whole]) if _LITTLE_ENDIAN else _pack_columns(biased[:whole]))
+        out.copy_(_pack_words(biased[:whole]) if LITTLE_ENDIAN else _pack_columns(biased[:whole]))
     return packed
-
-
-#: Codes packed at a time by :func:`pack_2bit` (a multiple of 4).
-PACK_CHUNK = 1 << 20
 
 
 def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
@@ -68,14 +64,14 @@ def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
         raise ValueError(f"packed must be a 1-D uint8 tensor, got {packed.dtype} with shape {tuple(packed.shape)}")
     if packed.numel() != packed_nbytes(numel):
         raise ValueError(f"{numel} codes take {packed_nbytes(numel)} bytes, got {packed.numel()}")
-    biased = _unpack_words(packed) if _LITTLE_ENDIAN else _unpack_columns(packed)
+    biased = _unpack_words(packed) if LITTLE_ENDIAN else _unpack_columns(packed)
     return biased[:numel].view(torch.int8) - 1
 
 
 # Two implementations of the same byte layout. The word form works on contiguous int32 lanes (about
 # 4x faster while the data sits in cache) but relies on little-endian byte order inside a word; the
 # column form is order-free. Tests check that both give the same bytes.
-_LITTLE_ENDIAN = sys.byteorder == "little"
+LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _pack_words(biased: Tensor) -> Tensor:
