@@ -5,7 +5,9 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
 1. DDP hands over a bucket. The bucket is only a delivery: its gradients are filed into the
    *units* planned from the parameters alone (:mod:`lightning_gradcomp.units`: one per parameter,
    ``granularity="layer"``; the whole model, ``"model"``; size-capped groups, ``"group"``;
-   parameters smaller than ``min_compress_numel`` or kept dense form dense units). The bucket's
+   parameters smaller than ``min_compress_numel`` or kept dense form dense units). A unit of
+   several parameters is read where the buckets hold them (:class:`~lightning_gradcomp.compressors.segments.Segments`)
+   by a compressor that selects entries (Top-k), else copied into a flat buffer kept from step to step. The bucket's
    future stays open until every unit touching it is done, so what is compressed together, and
    how it is summed, never depends on DDP's bucket layout, which changes after the first step
    and again after every restart.
@@ -31,8 +33,14 @@ A gradient's trip through :class:`GradCompHook`, top to bottom:
    (PowerSGD's ``P`` then ``Q``) launches its later rounds as it lands. Every collective is
    issued from the hook, launches and landings in bucket order, so every rank issues the same
    ones in the same order.
-6. When it lands, the memory turns the average into the gradient estimate, written straight into
-   the bucket, and moves on with what was sent (:meth:`~lightning_gradcomp.memory.Memory.finish_`).
+6. When it lands, the memory first settles what follows from this rank's own payload
+   (:meth:`~lightning_gradcomp.memory.Memory.settle_`: error feedback's new residual, DIANA's
+   ``h_i``), if the gathered data say the average is finite; then the average is decoded over the
+   tensor that was compressed (DDP's bucket itself: a unit's memory and its average need no
+   model-sized buffer of their own), and the memory turns it into the gradient estimate there
+   (:meth:`~lightning_gradcomp.memory.Memory.conclude_`). Where the payload cannot tell what of it
+   reached the average, or whether that is finite, before decoding (PowerSGD's), the average is
+   decoded into a kept buffer first.
    Under ``hierarchy="node"`` the owner then shares the estimate with its node (one exact sum
    over the node, the other ranks adding zeros). Every bucket whose units are all done has its
    future completed.
@@ -66,7 +74,8 @@ from torch import Tensor
 
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution, Pending
 from lightning_gradcomp.comm.hierarchy import FlatTopology, NodeTopology
-from lightning_gradcomp.compressors import Compressor, IdentityCompressor, all_finite
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor
+from lightning_gradcomp.compressors.segments import Segments, pieces
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.schedule import DensityWarmup, Regime, WarmupSchedule
@@ -182,10 +191,12 @@ class Capture:
 @dataclass(frozen=True)
 class _Exchange:
     """One launched aggregation: the units it completes, those this rank compresses (``mine``: all of them
-    unless the topology gives units to owners), their tensors, and what is still in flight."""
+    unless the topology gives units to owners), the tensors compressed and their parameters' parts, and what is
+    still in flight."""
 
     ready: list[tuple[Unit, list[Tensor]]]
     mine: list[tuple[Unit, list[Tensor]]]
+    tensors: "list[Tensor | Segments]"
     inputs: list[list[Tensor]]
     contributions: list[Contribution]
     raws: dict[int, list[Tensor]]
@@ -397,10 +408,10 @@ class GradCompHook:
         self.topology.enter_(unit_tensors)
         owned = [i for i, (unit, _) in enumerate(ready) if self.topology.owns(unit.index)]
         mine = [ready[i] for i in owned]
-        tensors: list[Tensor] = []
+        tensors: list[Tensor | Segments] = []
         inputs: list[list[Tensor]] = []
         for (unit, _), x in zip(mine, [unit_tensors[i] for i in owned], strict=True):
-            parts = list(x.reshape(-1).split(unit.numels))
+            parts = pieces(x, unit.numels)
             if unit.compressed:  # grad + residual (or grad - h_i), in place: no model-sized temporary
                 for name, part in zip(unit.names, parts, strict=True):
                     self.memory.compensate_(name, part)
@@ -432,7 +443,7 @@ class GradCompHook:
         waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before  # scales, sizes, node sums
         stats.seconds_compress += time.perf_counter() - start - waited
         stats.seconds_communicate += waited
-        return _Exchange(ready, mine, inputs, contributions, raws, pending)
+        return _Exchange(ready, mine, tensors, inputs, contributions, raws, pending)
 
     def _land(self, exchange: _Exchange, stats: StepStats) -> None:
         """Wait for an exchange's collectives, then let the memory write each estimate into the bucket (step 6)."""
@@ -441,21 +452,32 @@ class GradCompHook:
         intra_before = self._intra_seconds()
         aggregates = exchange.pending.wait() if exchange.pending is not None else []
         mine, inputs, contributions, raws = exchange.mine, exchange.inputs, exchange.contributions, exchange.raws
-        for (unit, grads), parts, contribution, agg in zip(mine, inputs, contributions, aggregates, strict=True):
-            means = agg.mean.split(unit.numels)
+        for (unit, grads), x, parts, contribution, agg in zip(
+            mine, exchange.tensors, inputs, contributions, aggregates, strict=True
+        ):
             if not unit.compressed:
-                for grad, mean in zip(grads, means, strict=True):
+                for grad, mean in zip(grads, agg.mean.split(unit.numels), strict=True):
                     grad.copy_(mean)
                 continue
+            # The mean is written over the compressed tensor itself (DDP's bucket, or the unit's kept copy) when
+            # the memory can first settle from what this rank sent and the gathered data tell whether the mean is
+            # finite; else it is decoded into a kept buffer first.
+            early = agg.reached_before_mean and (agg.finite_known or not self.memory.uses_sent)
+            if not early:
+                agg.decode_into(None)
             if unit.index in raws:  # before the bucket, which may hold the compensated tensor, is overwritten
                 self._record_capture(stats, unit, raws[unit.index], parts, contribution, agg.sent)
             reached = agg.reached.split(unit.numels) if self.memory.uses_sent else [None] * len(unit.names)
             # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
             # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.
-            finite = all_finite(agg.mean)
+            finite = agg.finite
             stats.nonfinite_units += not finite
-            for name, grad, part, sent, mean in zip(unit.names, grads, parts, reached, means, strict=True):
-                self.memory.finish_(name, part, sent, mean, out=grad, unit_numel=unit.numel, update=finite)
+            if finite:
+                for name, part, sent in zip(unit.names, parts, reached, strict=True):
+                    self.memory.settle_(name, part, sent, unit_numel=unit.numel)
+            means = agg.decode_into(x.reshape(-1) if early else None).split(unit.numels)
+            for name, grad, mean in zip(unit.names, grads, means, strict=True):
+                self.memory.conclude_(name, mean, out=grad, unit_numel=unit.numel, update=finite)
         self._share(exchange)
         for finished, result in self._assembler.done([unit for unit, _ in exchange.ready]):
             finished.set_result(result)
@@ -478,11 +500,15 @@ class GradCompHook:
         counter = self.topology.intra_counter
         return counter.seconds if counter is not None else 0.0
 
-    def _unit_tensor(self, unit: Unit, grads: list[Tensor]) -> Tensor:
+    def _unit_tensor(self, unit: Unit, grads: list[Tensor]) -> Tensor | Segments:
         """The tensor a unit is compressed from: a lone parameter's gradient itself (a view of DDP's bucket,
-        in its shape), or the unit's gradients copied into a flat buffer allocated once and kept."""
+        in its shape); the unit's gradients where they lie, as :class:`Segments`, for a compressor that reads
+        them so (no copy); else the gradients copied into a flat buffer allocated once and kept (a node's sum
+        is taken in that buffer)."""
         if len(grads) == 1:
             return grads[0].view(unit.shape)
+        if unit.compressed and self.compressor.takes_segments and isinstance(self.topology, FlatTopology):
+            return Segments(grads)
         like = grads[0]
         return torch.cat(grads, out=self.workspace.buffer(unit.index, "unit", unit.numel, like.dtype, like.device))
 

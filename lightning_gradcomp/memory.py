@@ -3,9 +3,9 @@
 The hook calls, for each compressed parameter ``name`` and step:
 
 1. ``x = memory.compensate(name, grad)``: the tensor handed to the compressor (the hook calls
-   :meth:`Memory.compensate_`, which does the same in place in the tensor it is handed: a lone
-   parameter's gradient in DDP's bucket, or the hook's kept buffer of a multi-parameter unit, both
-   overwritten with the average afterwards, so no tensor is allocated per step);
+   :meth:`Memory.compensate_`, which does the same in place in the tensor it is handed: each
+   parameter's gradient in DDP's bucket, or its share of the hook's kept flat copy of a unit of
+   several parameters, overwritten with the average afterwards, so no tensor is allocated per step);
 2. ``memory.reconstruct(name, mean)``: after aggregation, the gradient the optimizer sees, from
    the averaged result ``mean`` and the state as it was before this step;
 3. ``memory.update(name, x, sent, mean, unit_numel=n)``: then the state moves on, with ``sent``
@@ -15,8 +15,11 @@ The hook calls, for each compressed parameter ``name`` and step:
    the parameter was compressed in (constants such as DIANA's ``alpha`` follow the unit as it
    was compressed, not the parameter).
 
-The hook runs steps 2 and 3 through :meth:`Memory.finish_`, which writes the estimate straight
-into DDP's bucket.
+The hook runs step 3 in two halves around the decoding of the mean, so that the mean can be written
+over the compensated tensor in DDP's bucket with no buffer of its own: :meth:`Memory.settle_` first
+(what follows from this rank's own payload: error feedback's residual, DIANA's ``h_i``; only when
+the mean is finite), then, with the mean in the bucket, :meth:`Memory.conclude_` (step 2, written in
+place, and what follows from the mean: DIANA's ``h``).
 
 State is keyed by parameter name: units are made of parameters, and DDP's buckets change.
 """
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import Entries, SparseEntries, all_finite
+from lightning_gradcomp.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.compressors.sparse import dense_of
 from lightning_gradcomp.validation import check_choice, check_number
 
@@ -73,18 +77,20 @@ class Memory(ABC):
         itself and stay as they are)."""
         return None
 
-    def finish_(
-        self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, out: Tensor, unit_numel: int, update: bool
-    ) -> None:
-        """The hook's last step for ``name``: write :meth:`reconstruct` of ``mean`` into ``out`` (the
-        gradient in DDP's bucket), and :meth:`update` the state unless ``update`` is False (a
-        non-finite average). ``out`` may be the very storage of ``compensated``, so it is written last
-        here; a memory that needs no ``compensated`` may write it first, without a temporary.
-        """
+    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int) -> None:
+        """The hook's first half of :meth:`update`: what follows from this rank's own step alone (``compensated``
+        and ``sent``), run before the mean is decoded, which may then be written over ``compensated`` (DDP's
+        bucket). Only called when the mean is finite. Default: :meth:`update` without a mean (a memory whose update
+        reads the mean overrides both halves, as :class:`Diana` does)."""
+        self.update(name, compensated, sent, None, unit_numel=unit_numel)  # type: ignore[arg-type]
+
+    def conclude_(self, name: str, mean: Tensor, out: Tensor, unit_numel: int, update: bool) -> None:
+        """The hook's second half: write :meth:`reconstruct` of ``mean`` into ``out`` (the gradient in DDP's
+        bucket, which may be ``mean`` itself) and, when ``update``, move the state that follows the mean (DIANA's
+        ``h``). Default: :meth:`reconstruct` of the mean, copied unless it is ``out`` already."""
         estimate = self.reconstruct(name, mean)
-        if update:
-            self.update(name, compensated, sent, mean, unit_numel=unit_numel)
-        out.copy_(estimate)
+        if out.data_ptr() != estimate.data_ptr():
+            out.copy_(estimate)
 
     def norm(self) -> float | None:
         """L2 norm of this rank's per-rank state over all parameters (``None`` when stateless)."""
@@ -175,6 +181,8 @@ class ErrorFeedback(Memory):
         return x if residual is None else x.add_(residual)
 
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
+        """``residual = compensated - sent`` (``mean`` is not read: the hook settles this before it decodes the mean
+        over ``compensated``)."""
         if not all_finite(compensated):
             return  # a NaN/Inf that was never sent must not sit in the residual forever
         residual = self._residuals.get(name)
@@ -304,17 +312,30 @@ class Diana(Memory):
         shift = self._global.get(name)
         return mean if shift is None else shift + mean
 
-    def finish_(
-        self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, out: Tensor, unit_numel: int, update: bool
-    ) -> None:
-        """``h + mean`` straight into ``out`` (``compensated`` is not read again), then the update."""
+    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int) -> None:
+        """``h_i += alpha * delta_i`` from this rank's own payload (its codes, never decoded whole), unless
+        non-finite; ``compensated`` is not read (the mean may be written over it next)."""
+        alpha = self.alphas[name] = self.alpha_for(unit_numel)
+        if all_finite(sent) if isinstance(sent, Tensor) else sent.all_finite():
+            self._step(self._local, name, sent, alpha, like=compensated)
+
+    def conclude_(self, name: str, mean: Tensor, out: Tensor, unit_numel: int, update: bool) -> None:
+        """``out = h + mean`` and, when ``update``, ``h += alpha * mean``, in one pass of cache-sized chunks so that
+        ``out`` may be ``mean`` itself (DDP's bucket) without a model-sized temporary."""
         shift = self._global.get(name)
         if shift is None:
-            out.copy_(mean)
-        else:
-            torch.add(shift, mean, out=out)
-        if update:
-            self.update(name, compensated, sent, mean, unit_numel=unit_numel)
+            if out.data_ptr() != mean.data_ptr():
+                out.copy_(mean)
+            if update:
+                self._step(self._global, name, mean, self.alpha_for(unit_numel), like=mean)
+            return
+        alpha = self.alpha_for(unit_numel)
+        for start in range(0, mean.numel(), STREAM_CHUNK):
+            m, h = mean[start : start + STREAM_CHUNK], shift[start : start + STREAM_CHUNK]
+            estimate = h + m
+            if update:
+                h.add_(m, alpha=alpha)
+            out[start : start + STREAM_CHUNK].copy_(estimate)
 
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         alpha = self.alpha_for(compensated.numel() if unit_numel is None else unit_numel)

@@ -153,9 +153,10 @@ def test_diana_converges_linearly_where_the_memoryless_quantizer_stalls() -> Non
     assert min(plain[-150:]) > 1e4 * 1e-6
 
 
-def test_the_hooks_finish_with_encoded_codes_matches_reconstruct_then_update() -> None:
-    # Diana.finish_ writes h + mean into the bucket first and adds this rank's codes into h_i without
-    # decoding them whole; the numbers must be those of the plain reconstruct / dense update.
+def test_the_hooks_two_halves_with_encoded_codes_match_reconstruct_then_update() -> None:
+    # The hook's path: Diana.settle_ adds this rank's codes into h_i without decoding them whole, the mean is
+    # decoded over the bucket that held the compensated tensor, and Diana.conclude_ turns it into h + mean in
+    # place while moving h; the numbers must be those of the plain reconstruct / dense update.
     quantizer = BlockQuantizer(block_size=16)
     gen = torch.Generator().manual_seed(0)
     fast, plain = Diana(alpha=0.3), Diana(alpha=0.3)
@@ -167,11 +168,12 @@ def test_the_hooks_finish_with_encoded_codes_matches_reconstruct_then_update() -
         mean = torch.randn(40, generator=gen)
         expected = plain.reconstruct("w", mean).clone()
         plain.update("w", x, quantizer.decompress(payload), mean)
-        bucket = x.clone()  # the hook's bucket holds the compensated tensor it overwrites
-        fast.finish_("w", bucket, payload.entries(), mean, out=bucket, unit_numel=40, update=True)
+        bucket = x.clone()  # the hook's bucket holds the compensated tensor, then the mean over it
+        fast.settle_("w", bucket, payload.entries(), unit_numel=40)
+        fast.conclude_("w", bucket.copy_(mean), out=bucket, unit_numel=40, update=True)
         assert torch.equal(bucket, expected)
         assert all(torch.equal(a, b) for a, b in zip(fast.shifts("w"), plain.shifts("w"), strict=True))
     payload.scales[0] = float("inf")  # a non-finite local step moves h but leaves h_i alone
     before = fast.shifts("w")[0].clone()
-    fast.finish_("w", x.clone(), payload.entries(), mean, out=torch.empty(40), unit_numel=40, update=True)
+    fast.settle_("w", x.clone(), payload.entries(), unit_numel=40)
     assert torch.equal(fast.shifts("w")[0], before)

@@ -95,7 +95,12 @@ def _workspace_is_allocated_once(rank: int, world: int, method: str) -> dict:
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
         seen.append(sorted((key, t.data_ptr(), t.numel()) for key, t in hook.workspace._buffers.items()))
-    return {"seen": seen, "roles": {role for (_, role) in hook.workspace._buffers}}
+    compressed = {unit.index for unit in hook.units if unit.compressed}
+    return {
+        "seen": seen,
+        "roles": {role for (_, role) in hook.workspace._buffers},
+        "compressed_roles": {role for (index, role) in hook.workspace._buffers if index in compressed},
+    }
 
 
 @pytest.mark.parametrize(("method", "roles"), [("ddp_fp16", {"mean", "wire"}), ("ddp_powersgd", {"mean"})])
@@ -104,3 +109,53 @@ def test_the_allreduce_path_sums_and_averages_in_the_same_kept_buffers_every_ste
         seen = result["seen"]
         assert seen[1] and seen[1] == seen[2] == seen[3]  # steps 2-4 compressed, in the same buffers
         assert roles <= result["roles"]  # the summand (cast for the wire) and the average went through them
+
+
+def _kept_roles(rank: int, world: int, method: str) -> set:
+    return _workspace_is_allocated_once(rank, world, method)["compressed_roles"]
+
+
+@pytest.mark.parametrize("method", ["ddp_topk", "ddp_gtopk", "ddp_efsign", "ddp_terngrad", "ddp_diana"])
+def test_the_average_is_written_over_the_compressed_tensor_without_a_buffer_of_its_own(method: str) -> None:
+    # payloads that are their own entries let the memory settle before the mean is decoded, straight into
+    # DDP's bucket; the Top-k family's one unit of the whole model is read where the buckets hold it (the
+    # parameters kept dense, here the biases and the logits layer, still go through kept buffers)
+    for roles in run_ranks(_kept_roles, 2, method):
+        assert not roles & {"mean", "unit"}, roles
+
+
+def _segments_against_a_flat_copy(rank: int, world: int, segments: bool) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 100), nn.ReLU(), nn.Linear(100, 10))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)  # the model's unit spans buckets that change at step 2
+    strategy = GradCompStrategy(**{**NAMED_STRATEGIES["ddp_topk"][1], "warmup_steps": 1, "adaptive": "none"})
+    hook = strategy.build_hook(model)
+    hook.compressor.inner.takes_segments = segments
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        x = torch.randn(16, 300, generator=torch.Generator().manual_seed(10 * step + rank))
+        y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(10 * step + rank))
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "memory": {k: v.clone() for k, v in hook.memory.state_dict().items()},
+        "roles": {role for (index, role) in hook.workspace._buffers if hook.units[index].compressed},
+        "compressed": sum(s.compressed for s in hook.history),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_unit_read_in_the_buckets_trains_bit_for_bit_as_its_flat_copy(world_size: int) -> None:
+    pieces = run_ranks(_segments_against_a_flat_copy, world_size, True)
+    copied = run_ranks(_segments_against_a_flat_copy, world_size, False)
+    for a, b in zip(pieces, copied, strict=True):
+        assert a["compressed"] == b["compressed"] == 4
+        assert all(torch.equal(p, q) for p, q in zip(a["weights"], b["weights"], strict=True))
+        assert a["memory"].keys() == b["memory"].keys() and all(
+            torch.equal(v, b["memory"][k]) for k, v in a["memory"].items()
+        )
+        assert "unit" in b["roles"] and not a["roles"] & {"unit", "mean"}
+    assert all(torch.equal(p, q) for p, q in zip(pieces[0]["weights"], pieces[-1]["weights"], strict=True))

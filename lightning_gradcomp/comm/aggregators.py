@@ -12,13 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm.collectives import Collectives
-from lightning_gradcomp.compressors import Compressor, Entries, IdentityCompressor, Payload
+from lightning_gradcomp.compressors import Compressor, Entries, IdentityCompressor, Payload, all_finite
 from lightning_gradcomp.compressors.sparse import dense_of
 from lightning_gradcomp.workspace import Scratch
 
@@ -47,19 +47,62 @@ class Contribution:
         return torch.zeros(payload.numel, dtype=payload.dtype, device=payload.device)
 
 
-@dataclass(frozen=True)
 class Aggregate:
-    """The result for one contribution.
+    """The result for one contribution: the average over ranks, decoded when first asked for.
 
-    Attributes:
-        mean: the average over ranks of the decompressed payloads (flat).
-        local: this rank's contribution, when all of it reached ``mean``.
-        partial: what of it reached ``mean`` when only part did (gTop-k drops entries on the way).
+    Decoding is deferred so that the caller can first read what needs no decoded mean (whether the
+    mean is finite, what of this rank's payload reached it) and let the memory move on with it, and
+    only then have the mean written where it wants it: into the very storage the compressed tensor
+    came from (DDP's bucket), which then needs no buffer of its own (:meth:`decode_into`).
+
+    Args:
+        decode: writes the mean into the flat tensor it is given (``None``: the contribution's kept
+            ``out``, or a fresh tensor) and returns it; called at most once.
+        finite: whether the mean will be finite, told from what was gathered or reduced without
+            decoding it (every rank's payload values; a float sum); ``None`` when only the decoded
+            mean can tell. (A sum of finite payloads that overflows reads as finite here; the mean
+            then carries the infinity to the optimizer all the same.)
+        local: this rank's contribution, when all of it reached the mean.
+        partial: what of it reached the mean when only part did (gTop-k drops entries on the way).
     """
 
-    mean: Tensor
-    local: Contribution | None = None
-    partial: Tensor | Entries | None = None
+    def __init__(
+        self,
+        decode: Callable[[Tensor | None], Tensor],
+        finite: Callable[[], bool] | None = None,
+        local: Contribution | None = None,
+        partial: Tensor | Entries | None = None,
+    ) -> None:
+        self._decode: Callable[[Tensor | None], Tensor] | None = decode
+        self._finite = finite
+        self._mean: Tensor | None = None
+        self.local = local
+        self.partial = partial
+
+    def decode_into(self, out: Tensor | None) -> Tensor:
+        """The mean, written into the flat ``out`` if it is not decoded yet (``None``: the default target);
+        a codec whose mean is a buffer of its own (a dense sum) may return that instead of ``out``."""
+        if self._mean is None:
+            assert self._decode is not None
+            self._mean, self._decode = self._decode(out), None
+        return self._mean
+
+    @property
+    def mean(self) -> Tensor:
+        """The average over ranks of the decompressed payloads (flat)."""
+        return self.decode_into(None)
+
+    @property
+    def finite_known(self) -> bool:
+        """Whether :attr:`finite` can be told before the mean is decoded."""
+        return self._finite is not None or self._mean is not None
+
+    @cached_property
+    def finite(self) -> bool:
+        """Whether every element of the mean is finite (from the gathered data when they tell, else from the mean)."""
+        if self._mean is None and self._finite is not None:
+            return self._finite()
+        return all_finite(self.mean)
 
     @cached_property
     def reached(self) -> Tensor | Entries:
@@ -72,9 +115,20 @@ class Aggregate:
         return local_part(self.local.codec, self.local.payload)
 
     @property
+    def reached_before_mean(self) -> bool:
+        """Whether :attr:`reached` is known without decoding the mean: entries that gTop-k's merges kept, or a
+        payload that is its own entries (a dense decompression may read the mean: PowerSGD's)."""
+        return self.partial is not None or (self.local is not None and self.local.payload.entries() is not None)
+
+    @property
     def sent(self) -> Tensor:
         """The dense (flat) form of :attr:`reached`, for inspection."""
         return dense_of(self.reached)
+
+
+def _zeroed(out: Tensor | None, contribution: Contribution) -> Tensor:
+    """``out`` zeroed, or the contribution's own decode target."""
+    return contribution.decode_target() if out is None else out.zero_()
 
 
 def local_part(codec: Compressor, payload: Payload) -> Tensor | Entries:
@@ -158,12 +212,19 @@ class AllreduceAggregator(Aggregator):
                 live = [i for i, _ in following]
                 for i, total in zip(live, _reduce_start([s for _, s in following], collectives)(), strict=True):
                     totals[i] = total
-            return [
-                Aggregate(c.codec.from_sum(total, c.payload, world, c.out() if c.out else None), local=c)
-                for c, total in zip(contributions, totals, strict=True)
-            ]
+            return [_from_sum(c, total, world) for c, total in zip(contributions, totals, strict=True)]
 
         return Pending(finish)
+
+
+def _from_sum(c: Contribution, total: Tensor, world: int) -> Aggregate:
+    """The aggregate of a summed contribution: a float sum tells the mean's finiteness before it is decoded."""
+
+    def decode(out: Tensor | None) -> Tensor:
+        return c.codec.from_sum(total, c.payload, world, out if out is not None else c.out() if c.out else None)
+
+    finite = (lambda: all_finite(total)) if total.is_floating_point() else None
+    return Aggregate(decode, finite, local=c)
 
 
 def _next(contribution: Contribution, total: Tensor, world: int) -> Tensor | None:
@@ -232,11 +293,23 @@ class AllgatherAggregator(Aggregator):
                     else:
                         payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
                     offsets[r] += size
-                total = c.codec.accumulate_all(payloads, c.decode_target())
-                results.append(Aggregate(total.div_(world), local=c))
+                results.append(Aggregate(partial(_sum_of, c, payloads, world), _entries_finite(payloads), local=c))
             return results
 
         return Pending(finish)
+
+
+def _sum_of(c: Contribution, payloads: list[Payload], world: int, out: Tensor | None) -> Tensor:
+    return c.codec.accumulate_all(payloads, _zeroed(out, c)).div_(world)
+
+
+def _entries_finite(payloads: Sequence[Payload]) -> Callable[[], bool] | None:
+    """Whether every payload decodes to finite values, told from their entries (values, scales, norms: no decoding),
+    or ``None`` when some payload has no entries."""
+    entries = [p.entries() for p in payloads]
+    if any(e is None for e in entries):
+        return None
+    return lambda: all(e.all_finite() for e in entries)  # type: ignore[union-attr]
 
 
 def start_dense_apart(

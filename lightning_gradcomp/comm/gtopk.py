@@ -53,6 +53,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm.aggregators import Aggregate, Aggregator, Contribution, Pending, start_dense_apart
 from lightning_gradcomp.comm.collectives import Collectives
-from lightning_gradcomp.compressors import IdentityCompressor, SparseEntries, SparsePayload
+from lightning_gradcomp.compressors import IdentityCompressor, SparseEntries, SparsePayload, all_finite
 from lightning_gradcomp.compressors.indices import decode_indices, encode_indices, encoded_nbytes
 from lightning_gradcomp.compressors.precision import CastPayload
 from lightning_gradcomp.compressors.sparse import itemsize
@@ -226,6 +227,12 @@ class PointToPoint:
         return out
 
 
+def _scatter_mean(c: Contribution, entries: SparseSet, world: int, out: Tensor | None) -> Tensor:
+    """The global set divided by ``P``, written into ``out`` zeroed (``None``: the contribution's target)."""
+    mean = c.decode_target() if out is None else out.zero_()
+    return mean.index_put_((entries.indices,), (entries.values / world).to(mean.dtype))
+
+
 def _sparse_and_wire(payload: object) -> tuple[SparsePayload, torch.dtype]:
     """A contribution's sparse payload and the dtype its values travel in (a wire precision's, or their own)."""
     if isinstance(payload, CastPayload) and isinstance(payload.inner, SparsePayload):
@@ -318,10 +325,12 @@ class GTopKAggregator(Aggregator):
 
         results = []
         for c, unit, entries, mine, alive in zip(contributions, units, held, local, survivors, strict=True):
-            mean = c.decode_target()
-            mean[entries.indices] = entries.values / world
             reached = torch.isin(mine.indices, alive)
             results.append(
-                Aggregate(mean, partial=SparseEntries(mine.indices[reached], mine.values[reached], unit.numel))
+                Aggregate(
+                    partial(_scatter_mean, c, entries, world),
+                    partial(all_finite, entries.values),
+                    partial=SparseEntries(mine.indices[reached], mine.values[reached], unit.numel),
+                )
             )
         return results

@@ -132,6 +132,9 @@ class Compressor(ABC):
         takes_shapes: whether :meth:`compress` takes ``shapes=``, the shapes of the parameters whose
             gradients a flat unit concatenates, and compresses each as its own tensor (PowerSGD: one
             matrix each, the unit's matrices summed together, so a group costs one collective per round).
+        takes_segments: whether :meth:`compress` takes a unit of several parameters as
+            :class:`~lightning_gradcomp.compressors.segments.Segments` (their gradients where DDP's buckets hold
+            them) and sums into such pieces, so the unit needs no flat copy and its average no flat buffer.
         gatherable: whether one payload's bytes, gathered from every rank, decode to the average
             (what the allgather and gTop-k aggregators need); PowerSGD's second message depends on
             the sum of the first, so it is all-reduced only.
@@ -148,6 +151,7 @@ class Compressor(ABC):
     sparse: ClassVar[bool] = False
     needs_layer_shape: ClassVar[bool] = False
     takes_shapes: ClassVar[bool] = False
+    takes_segments: ClassVar[bool] = False
     gatherable: ClassVar[bool] = True
     warm_started: ClassVar[bool] = False
     float_wire: ClassVar[bool] = False

@@ -82,6 +82,7 @@ class GaussianKCompressor(TopKCompressor):
     """
 
     name = "gaussiank"
+    takes_segments = False  # its threshold and block maxima read one flat tensor
 
     def __init__(self, density: float = 0.001, refinements: int = 3) -> None:
         super().__init__(density)

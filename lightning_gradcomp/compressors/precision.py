@@ -79,6 +79,8 @@ class CastPayload(Payload):
         return self.inner if self.in_rounds else self.inner.cast(self.wire).cast(self.inner.dtype)
 
     def entries(self) -> Entries | None:
+        if self.inner.entries() is None:  # a dense payload: no need to cast it twice to learn that
+            return None
         return self.arrived().entries()
 
 
@@ -123,6 +125,10 @@ class WirePrecision(Compressor):
     @property
     def takes_shapes(self) -> bool:  # type: ignore[override]
         return self.inner.takes_shapes
+
+    @property
+    def takes_segments(self) -> bool:  # type: ignore[override]
+        return self.inner.takes_segments
 
     @property
     def gatherable(self) -> bool:  # type: ignore[override]

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.blocks import at_least
+from lightning_gradcomp.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
 from lightning_gradcomp.validation import check_density
 
@@ -43,6 +43,7 @@ class TopKCompressor(FixedKSparsifier):
 
     name = "topk"
     unbiased = False
+    takes_segments = True
     #: fraction of entries sampled for the threshold, the smallest sample, and the rank margin in
     #: binomial standard deviations (the ``dgc`` compressor makes them arguments)
     sample_ratio: float = 0.01
@@ -56,7 +57,7 @@ class TopKCompressor(FixedKSparsifier):
         """Entries sampled from a tensor of ``numel`` entries (``>= numel`` means: ``torch.topk`` instead)."""
         return max(self.min_samples, math.ceil(self.sample_ratio * numel))
 
-    def sample_threshold(self, flat: Tensor, generator: torch.Generator | None = None) -> float | None:
+    def sample_threshold(self, flat: Tensor | Segments, generator: torch.Generator | None = None) -> float | None:
         """The candidate threshold from a random sample of ``|flat|``; ``None`` if the sample would be the whole tensor.
 
         ``generator`` (on ``flat``'s device) draws the sample; ``None`` uses torch's global generator.
@@ -69,14 +70,14 @@ class TopKCompressor(FixedKSparsifier):
         expected = s * k / d
         rank = min(s, max(1, math.ceil(expected + self.margin * math.sqrt(expected))))
         positions = torch.randint(0, d, (s,), generator=generator, device=flat.device)
-        sample = flat[positions].abs()
+        sample = take(flat, positions).abs()
         return float(torch.topk(sample, rank, sorted=False).values.min())
 
-    def exact_select(self, flat: Tensor) -> Tensor:
+    def exact_select(self, flat: Tensor | Segments) -> Tensor:
         """Indices of the ``k`` largest ``|flat|`` by ``torch.topk`` (unordered)."""
-        return torch.topk(flat.abs(), k_for(flat.numel(), self.density), sorted=False).indices
+        return largest(flat, k_for(flat.numel(), self.density))
 
-    def select(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def select(self, x: Tensor | Segments, generator: torch.Generator | None = None) -> Tensor:
         """Indices of the entries kept (unordered): all of them when ``k >= d``, else :meth:`select_k`'s."""
         flat = x.reshape(-1)
         k = k_for(flat.numel(), self.density)
@@ -84,22 +85,24 @@ class TopKCompressor(FixedKSparsifier):
             return torch.arange(flat.numel(), device=flat.device)
         return self.select_k(flat, k, generator)
 
-    def select_k(self, flat: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
+    def select_k(self, flat: Tensor | Segments, k: int, generator: torch.Generator | None = None) -> Tensor:
         """Indices of exactly ``k < d`` entries of largest ``|flat|``; see the class for the method."""
         if generator is None:
             return self.exact_select(flat)
         thr = self.sample_threshold(flat, generator)
         if thr is None or not math.isfinite(thr):
             return self.exact_select(flat)
-        candidates = at_least(flat, thr, k / flat.numel())
+        candidates = at_least_in(flat, thr, k / flat.numel())
         if candidates.numel() < k:
             return self.exact_select(flat)
-        best = torch.topk(flat[candidates].abs(), k, sorted=False).indices
+        best = torch.topk(take(flat, candidates).abs(), k, sorted=False).indices
         return candidates[best]
 
     def compress(
-        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+        self, x: Tensor | Segments, generator: torch.Generator | None = None, scale: Tensor | None = None
     ) -> SparsePayload:
+        """The ``k`` entries; ``x`` may be :class:`~lightning_gradcomp.compressors.segments.Segments` (a unit read in
+        DDP's bucket), which select exactly the entries its concatenation would."""
         flat = x.reshape(-1)
         indices = self.select(flat, generator)
-        return SparsePayload(indices, flat[indices], x.shape)
+        return SparsePayload(indices, take(flat, indices), x.shape)

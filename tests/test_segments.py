@@ -1,0 +1,74 @@
+"""Segments: a unit read in pieces selects, and takes its average back, exactly as its concatenation would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import DGCCompressor, TopKCompressor
+from lightning_gradcomp.compressors.segments import Segments, pieces
+
+SIZES = (300_000, 7, 1_000_000, 4096)
+
+
+def _parts(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=generator) for n in SIZES]
+
+
+# 0.001 takes the block maxima, 0.01 and above the streamed pass, 0.9 the exact fallback path's neighbourhood
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1, 0.9])
+@pytest.mark.parametrize("codec", [TopKCompressor, DGCCompressor])
+def test_selection_from_pieces_equals_selection_from_their_concatenation(density: float, codec: type) -> None:
+    parts = _parts()
+    compressor = codec(density=density)
+    for seed in range(3):
+        flat = compressor.compress(torch.cat(parts), torch.Generator().manual_seed(seed))
+        pieced = compressor.compress(Segments(parts), torch.Generator().manual_seed(seed))
+        assert torch.equal(flat.indices, pieced.indices) and torch.equal(flat.values, pieced.values)
+        assert pieced.shape == torch.Size([sum(SIZES)])
+
+
+def test_exact_top_k_of_pieces_is_the_top_k_of_the_concatenation() -> None:
+    parts = _parts(1)
+    k = 5000
+    expected = torch.topk(torch.cat(parts).abs(), k).indices.sort().values
+    assert torch.equal(Segments(parts).topk_indices(k).sort().values, expected)
+    # without a generator Top-k is exact: the same set either way
+    flat = TopKCompressor(0.002).compress(torch.cat(parts))
+    pieced = TopKCompressor(0.002).compress(Segments(parts))
+    assert torch.equal(flat.indices.sort().values, pieced.indices.sort().values)
+
+
+def test_scatters_into_pieces_equal_the_flat_tensors() -> None:
+    parts = _parts(2)
+    flat = torch.cat(parts)
+    generator = torch.Generator().manual_seed(3)
+    indices = torch.randint(0, flat.numel(), (20_000,), generator=generator)  # repeats included
+    values = torch.randn(20_000, generator=generator)
+    segments = Segments([p.clone() for p in parts])
+    assert torch.equal(segments.gather(indices), flat[indices])
+    segments.index_add_(0, indices, values, alpha=0.5).div_(3.0)
+    expected = flat.clone().index_add_(0, indices, values, alpha=0.5).div_(3.0)
+    assert torch.equal(torch.cat(segments.parts), expected)
+    unique = torch.unique(indices)
+    segments.zero_().index_put_((unique,), values[: unique.numel()])
+    assert torch.equal(
+        torch.cat(segments.parts), torch.zeros_like(flat).index_put_((unique,), values[: unique.numel()])
+    )
+    assert [p.data_ptr() for p in pieces(segments, SIZES)] == [p.data_ptr() for p in segments.parts]
+    assert [p.numel() for p in pieces(flat, SIZES)] == list(SIZES)
+
+
+def test_segments_refuse_what_they_cannot_be() -> None:
+    with pytest.raises(ValueError, match="at least one part"):
+        Segments([])
+    with pytest.raises(ValueError, match="one dtype and device"):
+        Segments([torch.zeros(3), torch.zeros(3, dtype=torch.float64)])
+    segments = Segments([torch.zeros(3), torch.zeros(4)])
+    with pytest.raises(ValueError, match=r"cannot be split as \[4, 3\]"):
+        segments.split([4, 3])
+    with pytest.raises(ValueError, match="cannot take the shape"):
+        segments.reshape(7, 1)
+    with pytest.raises(ValueError, match="dim must be 0"):
+        segments.index_add_(1, torch.tensor([0]), torch.tensor([1.0]))
