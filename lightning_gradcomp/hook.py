@@ -191,13 +191,11 @@ class Capture:
 @dataclass(frozen=True)
 class _Exchange:
     """One launched aggregation: the units it completes, those this rank compresses (``mine``: all of them
-    unless the topology gives units to owners), the tensors compressed and their parameters' parts, and what is
-    still in flight."""
+    unless the topology gives units to owners), the tensors compressed, and what is still in flight."""
 
     ready: list[tuple[Unit, list[Tensor]]]
     mine: list[tuple[Unit, list[Tensor]]]
     tensors: "list[Tensor | Segments]"
-    inputs: list[list[Tensor]]
     contributions: list[Contribution]
     raws: dict[int, list[Tensor]]
     pending: Pending | None
@@ -408,15 +406,11 @@ class GradCompHook:
         self.topology.enter_(unit_tensors)
         owned = [i for i, (unit, _) in enumerate(ready) if self.topology.owns(unit.index)]
         mine = [ready[i] for i in owned]
-        tensors: list[Tensor | Segments] = []
-        inputs: list[list[Tensor]] = []
-        for (unit, _), x in zip(mine, [unit_tensors[i] for i in owned], strict=True):
-            parts = pieces(x, unit.numels)
+        tensors = [unit_tensors[i] for i in owned]
+        for (unit, _), x in zip(mine, tensors, strict=True):
             if unit.compressed:  # grad + residual (or grad - h_i), in place: no model-sized temporary
-                for name, part in zip(unit.names, parts, strict=True):
+                for name, part in zip(unit.names, pieces(x, unit.numels), strict=True):
                     self.memory.compensate_(name, part)
-            tensors.append(x)
-            inputs.append(parts)
         scales = self._shared_scales([unit for unit, _ in mine], tensors)
         contributions = []
         for (unit, _), x in zip(mine, tensors, strict=True):
@@ -443,7 +437,7 @@ class GradCompHook:
         waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before  # scales, sizes, node sums
         stats.seconds_compress += time.perf_counter() - start - waited
         stats.seconds_communicate += waited
-        return _Exchange(ready, mine, tensors, inputs, contributions, raws, pending)
+        return _Exchange(ready, mine, tensors, contributions, raws, pending)
 
     def _land(self, exchange: _Exchange, stats: StepStats) -> None:
         """Wait for an exchange's collectives, then let the memory write each estimate into the bucket (step 6)."""
@@ -451,10 +445,9 @@ class GradCompHook:
         comm_before = self.counter.seconds
         intra_before = self._intra_seconds()
         aggregates = exchange.pending.wait() if exchange.pending is not None else []
-        mine, inputs, contributions, raws = exchange.mine, exchange.inputs, exchange.contributions, exchange.raws
-        for (unit, grads), x, parts, contribution, agg in zip(
-            mine, exchange.tensors, inputs, contributions, aggregates, strict=True
-        ):
+        mine, contributions, raws = exchange.mine, exchange.contributions, exchange.raws
+        for (unit, grads), x, contribution, agg in zip(mine, exchange.tensors, contributions, aggregates, strict=True):
+            parts = pieces(x, unit.numels)  # each parameter's share of what was compressed (views)
             if not unit.compressed:
                 for grad, mean in zip(grads, agg.mean.split(unit.numels), strict=True):
                     grad.copy_(mean)

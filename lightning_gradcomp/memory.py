@@ -330,12 +330,13 @@ class Diana(Memory):
                 self._step(self._global, name, mean, self.alpha_for(unit_numel), like=mean)
             return
         alpha = self.alpha_for(unit_numel)
+        estimate = torch.empty(min(mean.numel(), STREAM_CHUNK), dtype=out.dtype, device=out.device)
         for start in range(0, mean.numel(), STREAM_CHUNK):
             m, h = mean[start : start + STREAM_CHUNK], shift[start : start + STREAM_CHUNK]
-            estimate = h + m
+            chunk = torch.add(h, m, out=estimate[: m.numel()])
             if update:
                 h.add_(m, alpha=alpha)
-            out[start : start + STREAM_CHUNK].copy_(estimate)
+            out[start : start + STREAM_CHUNK].copy_(chunk)
 
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         alpha = self.alpha_for(compensated.numel() if unit_numel is None else unit_numel)

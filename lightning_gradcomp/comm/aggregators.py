@@ -39,8 +39,11 @@ class Contribution:
     out: Callable[[], Tensor] | None = None
     scratch: Scratch | None = None
 
-    def decode_target(self) -> Tensor:
-        """``out()`` zeroed, or a fresh zero tensor: where the decoded payloads are summed."""
+    def decode_target(self, out: Tensor | None = None) -> Tensor:
+        """Where the decoded payloads are summed, zeroed: ``out`` when the caller names one (DDP's bucket), else
+        ``out()``, else a fresh tensor."""
+        if out is not None:
+            return out.zero_()
         if self.out is not None:
             return self.out().zero_()
         payload = self.payload
@@ -94,15 +97,14 @@ class Aggregate:
 
     @property
     def finite_known(self) -> bool:
-        """Whether :attr:`finite` can be told before the mean is decoded."""
-        return self._finite is not None or self._mean is not None
+        """Whether :attr:`finite` is told without decoding the mean."""
+        return self._finite is not None
 
     @cached_property
     def finite(self) -> bool:
-        """Whether every element of the mean is finite (from the gathered data when they tell, else from the mean)."""
-        if self._mean is None and self._finite is not None:
-            return self._finite()
-        return all_finite(self.mean)
+        """Whether every element of the mean is finite: from the gathered data when they tell (no pass over the
+        mean, decoded or not), else from the mean."""
+        return self._finite() if self._finite is not None else all_finite(self.mean)
 
     @cached_property
     def reached(self) -> Tensor | Entries:
@@ -124,11 +126,6 @@ class Aggregate:
     def sent(self) -> Tensor:
         """The dense (flat) form of :attr:`reached`, for inspection."""
         return dense_of(self.reached)
-
-
-def _zeroed(out: Tensor | None, contribution: Contribution) -> Tensor:
-    """``out`` zeroed, or the contribution's own decode target."""
-    return contribution.decode_target() if out is None else out.zero_()
 
 
 def local_part(codec: Compressor, payload: Payload) -> Tensor | Entries:
@@ -300,7 +297,7 @@ class AllgatherAggregator(Aggregator):
 
 
 def _sum_of(c: Contribution, payloads: list[Payload], world: int, out: Tensor | None) -> Tensor:
-    return c.codec.accumulate_all(payloads, _zeroed(out, c)).div_(world)
+    return c.codec.accumulate_all(payloads, c.decode_target(out)).div_(world)
 
 
 def _entries_finite(payloads: Sequence[Payload]) -> Callable[[], bool] | None:

@@ -229,7 +229,7 @@ class PointToPoint:
 
 def _scatter_mean(c: Contribution, entries: SparseSet, world: int, out: Tensor | None) -> Tensor:
     """The global set divided by ``P``, written into ``out`` zeroed (``None``: the contribution's target)."""
-    mean = c.decode_target() if out is None else out.zero_()
+    mean = c.decode_target(out)
     return mean.index_put_((entries.indices,), (entries.values / world).to(mean.dtype))
 
 

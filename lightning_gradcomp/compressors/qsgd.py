@@ -28,7 +28,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload
+from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finite
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, stochastic_ternary, working_dtype
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
@@ -147,9 +147,7 @@ class LevelsEntries:
         if not self.numel:
             return True
         block = self.payload.block
-        return bool(
-            torch.isfinite(self.payload.norms[self.first // block : (self.first + self.numel - 1) // block + 1]).all()
-        )
+        return all_finite(self.payload.norms[self.first // block : (self.first + self.numel - 1) // block + 1])
 
     def split(self, numels: Sequence[int]) -> list[LevelsEntries]:
         starts = accumulate(numels[:-1], initial=self.first)
