@@ -48,6 +48,10 @@ def test_scatters_into_pieces_equal_the_flat_tensors() -> None:
     values = torch.randn(20_000, generator=generator)
     segments = Segments([p.clone() for p in parts])
     assert torch.equal(segments.gather(indices), flat[indices])
+    ascending = indices.sort().values
+    assert torch.equal(segments.gather(ascending, ascending=True), flat[ascending])
+    inside_one = torch.arange(300_010, 300_020)  # every index in the third part: the others get nothing
+    assert torch.equal(segments.gather(inside_one, ascending=True), flat[inside_one])
     segments.index_add_(0, indices, values, alpha=0.5).div_(3.0)
     expected = flat.clone().index_add_(0, indices, values, alpha=0.5).div_(3.0)
     assert torch.equal(torch.cat(segments.parts), expected)

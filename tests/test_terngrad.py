@@ -153,9 +153,9 @@ def reference_keep(levels: torch.Tensor, generator: torch.Generator) -> torch.Te
     numel = levels.numel()
     words = torch.empty(-(-numel // 8), dtype=torch.int64).random_(-(2**63), None, generator=generator)
     draws = words.view(torch.uint8)[:numel].double()
-    ties = [j for j in range(numel) if draws[j] == min(math.floor(levels[j]), 255)]
+    ties = torch.nonzero(draws == levels.double().floor().clamp(max=255)).reshape(-1)  # in index order
     second = torch.zeros(numel, dtype=torch.float64)
-    second[ties] = torch.rand(len(ties), generator=generator).double()
+    second[ties] = torch.rand(ties.numel(), generator=generator).double()
     return draws + second < levels.double()
 
 
@@ -191,6 +191,21 @@ def test_codes_follow_the_reference_draw_with_the_same_generator(clip_sigma: flo
         assert scale < x.abs().max()  # the outliers were clipped
         assert (payload.codes[x.reshape(-1).abs() >= scale] != 0).all()  # clipped elements are always kept
     assert torch.equal(compressor.decompress(payload), (reference * scale).reshape(-1))
+
+
+@pytest.mark.parametrize("block", [7, 512, None])
+def test_bytes_drawn_chunk_by_chunk_are_the_stream_of_one_draw(block: int | None) -> None:
+    # over several encoder chunks, with blocks that are not whole random words (7), DIANA's 512, and one block
+    numel = 3 * ternary.ENCODE_CHUNK + 13
+    block_size = numel if block is None else block
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(8))
+    blocks = -(-numel // block_size)
+    padded = torch.zeros(blocks * block_size).index_copy_(0, torch.arange(numel), g.abs())
+    scales = padded.view(blocks, block_size).amax(dim=1)
+    codes = ternary.stochastic_ternary(g, scales, block_size, torch.Generator().manual_seed(9))
+    per_element = (ternary.DRAW_LEVELS / scales).repeat_interleave(block_size)[:numel]
+    keep = reference_keep(g.abs() * per_element, torch.Generator().manual_seed(9))
+    assert torch.equal(codes, (torch.sign(g) * keep).to(torch.int8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finite
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
-from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, stochastic_ternary, working_dtype
+from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, stochastic_levels, working_dtype
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.validation import check_int
 
@@ -188,14 +188,9 @@ class QSGDCompressor(BlockQuantizer):
         block = self._block(g.numel())
         norms = self.norms(g)
         inverse = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
-        u = scale_blocks_(g.abs(), inverse, block)
-        level = u.floor()
-        # one level up with probability frac(u_j): the ternary draw of sign(g_j) frac(u_j) against a scale of 1
-        # (8 random bits per element, exact for the fraction in fp32; see stochastic_ternary), added to the signed floor
-        fraction = u.sub_(level).to(torch.float32).copysign_(g)
-        ones = torch.ones(num_blocks(g.numel(), block), device=g.device)
-        up = stochastic_ternary(fraction, ones, block, generator)
-        codes = level.copysign_(g).to(torch.int8).add_(up)
+        # one level up with probability frac(u_j), u_j = |g_j| s / norm: the ternary draw of the fraction (8 random
+        # bits per element, exact in fp32), chunk by chunk with the floor (stochastic_levels)
+        codes = stochastic_levels(g, inverse, block, generator)
         return LevelsPayload(codes, norms.to(torch.float32), x.shape, x.dtype, block, self.levels)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:

@@ -14,6 +14,7 @@ last byte hold code 0. The byte layout does not depend on the machine's endianne
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finite
+from lightning_gradcomp.compressors.blocks import sparse_nonzero
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 CODES_PER_BYTE = 4
@@ -163,17 +165,47 @@ def stochastic_ternary(
 
     Draw order (what a reference needs to reproduce the codes): every byte first, ``ceil(d / 8)``
     uniform int64 words read as bytes; then one ``torch.rand`` of the tied elements in index order.
-    The work runs in chunks of :data:`ENCODE_CHUNK` elements through small scratch tensors.
+    The work runs in chunks of about :data:`ENCODE_CHUNK` elements through small scratch tensors; the
+    words are drawn chunk by chunk (whole words per chunk), which is the same stream as one draw of all.
     """
+    return _stochastic_codes(g, keep_levels(scales.to(torch.float32)), block_size, generator, cap)
+
+
+def stochastic_levels(
+    g: Tensor, multipliers: Tensor, block_size: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """QSGD's codes ``sign(g_j) (floor(u_j) + xi_j)`` (int8), ``u_j = |g_j| m_l``, ``xi_j ~ Bernoulli(frac(u_j))``.
+
+    ``m_l`` (in ``multipliers``, one per block) is ``levels / norm`` (Alistarh et al., 2017, Sec. 3.1):
+    the level below ``u_j``, one up with the probability of its fractional part. The draw is
+    :func:`stochastic_ternary`'s, of ``sign(g_j) frac(u_j)`` against a scale of 1 (exact in fp32: the
+    fraction times 256), in the same draw order, computed chunk by chunk with the floor: no tensor of the
+    gradient's size besides the codes.
+    """
+    return _stochastic_codes(g, multipliers, block_size, generator, None, fractional=True)
+
+
+def _stochastic_codes(
+    g: Tensor,
+    multipliers: Tensor,
+    block_size: int,
+    generator: torch.Generator | None,
+    cap: Tensor | None,
+    fractional: bool = False,
+) -> Tensor:
+    """The chunked two-stage draw behind :func:`stochastic_ternary` (``q = min(|g|, cap) m``) and
+    :func:`stochastic_levels` (``fractional``: ``u = |g| m``, ``q = 256 frac(u)``, codes from ``floor(u)`` up)."""
     numel = g.numel()
-    words = torch.empty(-(-numel // 8), dtype=torch.int64, device=g.device)
-    draws = words.random_(-(2**63), None, generator=generator).view(torch.uint8)[:numel]  # every bit uniform
-    levels = keep_levels(scales.to(torch.float32))
     codes = torch.empty(numel, dtype=torch.int8, device=g.device)
-    # whole blocks per chunk when there are several
-    chunk = ENCODE_CHUNK if block_size >= numel else block_size * max(1, ENCODE_CHUNK // block_size)
+    # whole blocks per chunk when there are several, and whole random words
+    step = 8 if block_size >= numel else math.lcm(block_size, 8)
+    chunk = step * max(1, ENCODE_CHUNK // step)
     size = min(chunk, numel)
+    words = torch.empty(-(-size // 8), dtype=torch.int64, device=g.device)
     level = torch.empty(size, dtype=torch.float32, device=g.device)
+    # u and its floor in the gradient's precision (fp64 stays fp64), the fraction then rounded to fp32
+    wide = torch.empty(size if fractional else 0, dtype=g.dtype, device=g.device)
+    below = torch.empty(size if fractional else 0, dtype=g.dtype, device=g.device)
     floors16 = torch.empty(size, dtype=torch.int16, device=g.device)
     floors = torch.empty(size, dtype=torch.uint8, device=g.device)
     keep = torch.empty(size, dtype=torch.bool, device=g.device)
@@ -183,43 +215,36 @@ def stochastic_ternary(
         stop = min(start + chunk, numel)
         n = stop - start
         q, n16, n8, kept, tie = level[:n], floors16[:n], floors[:n], keep[:n], tied[:n]
-        torch.abs(g[start:stop], out=q)
-        if cap is not None:
-            q.clamp_(max=cap)
-        scale_blocks_(q, levels[start // block_size : -(-stop // block_size)], block_size)
+        draws = words[: -(-n // 8)].random_(-(2**63), None, generator=generator).view(torch.uint8)[:n]
+        blocks = multipliers[start // block_size : -(-stop // block_size)]
+        if fractional:  # the level below u, and the fraction above it as a probability out of 256 (exact)
+            u = scale_blocks_(torch.abs(g[start:stop], out=wide[:n]), blocks, block_size)
+            q.copy_(u.sub_(torch.floor(u, out=below[:n]))).mul_(DRAW_LEVELS)
+        else:
+            torch.abs(g[start:stop], out=q)
+            if cap is not None:
+                q.clamp_(max=cap)
+            scale_blocks_(q, blocks, block_size)
         # n_j as a byte: q >= 256 (probability 1) becomes 256 and then n = 255, whose tie V < q - n = 1 is
         # sure. (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
         n16.copy_(q.clamp_(max=DRAW_LEVELS)).clamp_(max=DRAW_LEVELS - 1)
         n8.copy_(n16)
-        torch.lt(draws[start:stop], n8, out=kept)
-        ties = _sparse_nonzero(torch.eq(draws[start:stop], n8, out=tie))
+        torch.lt(draws, n8, out=kept)
+        ties = sparse_nonzero(torch.eq(draws, n8, out=tie))
         if ties.numel():
             tie_indices.append(ties + start)
             tie_fractions.append(q[ties].sub_(n8[ties]))
         out = codes[start:stop]
-        out.copy_(torch.sign(g[start:stop], out=q))  # q is free once the tie fractions are taken
-        out.mul_(kept.view(torch.int8))
-    if tie_indices:
+        if fractional:  # sign(g) (floor(u) + xi), small integers: exact
+            out.copy_(torch.sign(g[start:stop], out=wide[:n]).mul_(below[:n].add_(kept)))
+        else:
+            out.copy_(torch.sign(g[start:stop], out=q)).mul_(kept.view(torch.int8))  # q is free: ties are taken
+    if tie_indices:  # a tie steps one level away from zero where its second uniform wins
         ties = torch.cat(tie_indices)
         second = torch.rand(ties.numel(), generator=generator, device=g.device, dtype=torch.float32)
         won = (second < torch.cat(tie_fractions)).to(torch.int8)
-        codes[ties] = torch.sign(g[ties]).to(torch.int8) * won
+        codes[ties] += torch.sign(g[ties]).to(torch.int8) * won
     return codes
-
-
-def _sparse_nonzero(mask: Tensor) -> Tensor:
-    """Ascending indices of the True entries of the flat bool ``mask``, fast when they are few.
-
-    Looks at eight entries at a time (one int64 word) first, then inside the words that hold any.
-    """
-    numel = mask.numel()
-    body = numel - numel % 8
-    words = torch.nonzero(mask[:body].view(torch.int64)).reshape(-1)
-    inside = torch.nonzero(mask[:body].view(-1, 8).index_select(0, words))
-    indices = words[inside[:, 0]] * 8 + inside[:, 1]
-    if body < numel:
-        indices = torch.cat([indices, torch.nonzero(mask[body:]).reshape(-1) + body])
-    return indices
 
 
 @dataclass(frozen=True, eq=False)

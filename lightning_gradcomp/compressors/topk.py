@@ -95,7 +95,7 @@ class TopKCompressor(FixedKSparsifier):
         candidates = at_least_in(flat, thr, k / flat.numel())
         if candidates.numel() < k:
             return self.exact_select(flat)
-        best = torch.topk(take(flat, candidates).abs(), k, sorted=False).indices
+        best = torch.topk(take(flat, candidates, ascending=True).abs(), k, sorted=False).indices
         return candidates[best]
 
     def compress(
