@@ -50,6 +50,43 @@ def codes_nbytes(numel: int, levels: int) -> int:
     return -(-numel // 2) if code_bits(levels) == 4 else numel
 
 
+def pack_levels(codes: Tensor, levels: int) -> Tensor:
+    """The wire form of signed levels: ``c + s`` as bytes, two to a byte (low nibble first) for 4-bit codes; in
+    chunks through a small buffer (uint8 arithmetic wraps, so ``c + s`` up to 254 needs no wider type)."""
+    biased = codes.reshape(-1).view(torch.uint8)
+    numel = biased.numel()
+    packed = torch.empty(codes_nbytes(numel, levels), dtype=torch.uint8, device=codes.device)
+    if code_bits(levels) == 8:
+        return torch.add(biased, levels, out=packed)
+    scratch = torch.empty(min(numel, STREAM_CHUNK) + 1, dtype=torch.uint8, device=codes.device)
+    for start in range(0, numel, STREAM_CHUNK):  # an even chunk: pairs never straddle two
+        n = min(STREAM_CHUNK, numel - start)
+        chunk = torch.add(biased[start : start + n], levels, out=scratch[:n])
+        if n % 2:
+            scratch[n] = 0
+            chunk = scratch[: n + 1]
+        pairs = chunk.view(-1, 2)
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=packed[start // 2 : start // 2 + pairs.shape[0]])
+    return packed
+
+
+def unpack_levels(packed: Tensor, numel: int, levels: int) -> Tensor:
+    """The int8 levels of :func:`pack_levels`' bytes, written pair by pair into the codes (no wider temporary)."""
+    codes = torch.empty(numel, dtype=torch.int8, device=packed.device)
+    biased = codes.view(torch.uint8)
+    if code_bits(levels) == 8:
+        return torch.sub(packed, levels, out=biased).view(torch.int8)
+    whole = numel // 2
+    pairs = biased[: 2 * whole].view(-1, 2)
+    for start in range(0, whole, STREAM_CHUNK):
+        stop = min(start + STREAM_CHUNK, whole)
+        torch.bitwise_and(packed[start:stop], 0xF, out=pairs[start:stop, 0])
+        torch.bitwise_right_shift(packed[start:stop], 4, out=pairs[start:stop, 1])
+    if numel % 2:
+        biased[-1] = packed[-1] & 0xF
+    return biased.sub_(levels).view(torch.int8)
+
+
 @dataclass(frozen=True, eq=False)
 class LevelsPayload(Payload):
     """Signed levels ``c_j`` in ``[-s, s]`` (int8) and one norm per block: element ``j`` is ``N_l c_j / s``."""
@@ -70,13 +107,7 @@ class LevelsPayload(Payload):
         return 4 * self.norms.numel() + codes_nbytes(self.codes.numel(), self.levels)
 
     def to_bytes(self) -> Tensor:
-        biased = (self.codes + self.levels).to(torch.uint8)
-        if code_bits(self.levels) == 4:
-            if biased.numel() % 2:
-                biased = torch.cat([biased, biased.new_zeros(1)])
-            pairs = biased.view(-1, 2)
-            biased = pairs[:, 0] | (pairs[:, 1] << 4)
-        return to_bytes([self.norms, biased])
+        return to_bytes([self.norms, pack_levels(self.codes, self.levels)])
 
     @classmethod
     def from_bytes(
@@ -88,10 +119,7 @@ class LevelsPayload(Payload):
         packed = reader.take(codes_nbytes(numel, levels), torch.uint8)
         if reader.remaining:
             raise ValueError(f"QSGD payload has {reader.remaining} unexpected trailing bytes")
-        if code_bits(levels) == 4:
-            packed = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
-        codes = packed.to(torch.int8) - levels
-        return cls(codes, norms, shape, dtype, block, levels)
+        return cls(unpack_levels(packed, numel, levels), norms, shape, dtype, block, levels)
 
     def dense(self) -> Tensor:
         """The decoded flat tensor, in float32 (or float64 for float64 gradients)."""

@@ -66,8 +66,15 @@ def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
         raise ValueError(f"packed must be a 1-D uint8 tensor, got {packed.dtype} with shape {tuple(packed.shape)}")
     if packed.numel() != packed_nbytes(numel):
         raise ValueError(f"{numel} codes take {packed_nbytes(numel)} bytes, got {packed.numel()}")
-    biased = _unpack_words(packed) if LITTLE_ENDIAN else _unpack_columns(packed)
-    return biased[:numel].view(torch.int8) - 1
+    codes = torch.empty(numel, dtype=torch.int8, device=packed.device)
+    step = STREAM_CHUNK // CODES_PER_BYTE  # packed bytes per chunk: its temporaries stay a few MiB
+    for start in range(0, packed.numel(), step):
+        chunk = packed[start : start + step]
+        biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
+        first = start * CODES_PER_BYTE
+        n = min(biased.numel(), numel - first)
+        torch.sub(biased[:n].view(torch.int8), 1, out=codes[first : first + n])
+    return codes
 
 
 # Two implementations of the same byte layout. The word form works on contiguous int32 lanes (about
