@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import blocks as blocks_module
+from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
 from lightning_gradcomp.compressors.dgc import DGCCompressor
-from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor, MagnitudeBlocks
+from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.topk import k_for
 
 D = 200_000

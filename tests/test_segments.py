@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import DGCCompressor, TopKCompressor
+from lightning_gradcomp.compressors import DGCCompressor, GaussianKCompressor, TopKCompressor
 from lightning_gradcomp.compressors.segments import Segments, pieces
 
 SIZES = (300_000, 7, 1_000_000, 4096)
@@ -27,6 +27,25 @@ def test_selection_from_pieces_equals_selection_from_their_concatenation(density
         pieced = compressor.compress(Segments(parts), torch.Generator().manual_seed(seed))
         assert torch.equal(flat.indices, pieced.indices) and torch.equal(flat.values, pieced.values)
         assert pieced.shape == torch.Size([sum(SIZES)])
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_gaussian_k_from_pieces_keeps_its_guarantees(density: float) -> None:
+    # Pieces are reduced one by one, so the threshold may differ from the concatenation's by rounding: the
+    # count and the largest-entries property must hold all the same, and at low densities the same set comes out.
+    parts = _parts(4)
+    parts[1] = parts[1] * 10  # a piece of outliers
+    flat = torch.cat(parts)
+    compressor = GaussianKCompressor(density)
+    k = int(density * flat.numel())
+    pieced = compressor.compress(Segments(parts))
+    assert k // 2 <= pieced.k <= k
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool).index_fill_(0, pieced.indices, True)
+    assert torch.equal(pieced.values, flat[pieced.indices])
+    assert flat[chosen].abs().min() >= flat[~chosen].abs().max()
+    assert pieced.nbytes == compressor.payload_nbytes(pieced.shape, pieced.dtype)
+    if density < 0.1:
+        assert torch.equal(pieced.indices.sort().values, compressor.compress(flat).indices.sort().values)
 
 
 def test_exact_top_k_of_pieces_is_the_top_k_of_the_concatenation() -> None:

@@ -115,7 +115,9 @@ def _kept_roles(rank: int, world: int, method: str) -> set:
     return _workspace_is_allocated_once(rank, world, method)["compressed_roles"]
 
 
-@pytest.mark.parametrize("method", ["ddp_topk", "ddp_gtopk", "ddp_efsign", "ddp_terngrad", "ddp_diana"])
+@pytest.mark.parametrize(
+    "method", ["ddp_topk", "ddp_gtopk", "ddp_gaussiank", "ddp_efsign", "ddp_terngrad", "ddp_diana"]
+)
 def test_the_average_is_written_over_the_compressed_tensor_without_a_buffer_of_its_own(method: str) -> None:
     # payloads that are their own entries let the memory settle before the mean is decoded, straight into
     # DDP's bucket; the Top-k family's one unit of the whole model is read where the buckets hold it (the

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
+from lightning_gradcomp.compressors.segments import Segments, magnitude_blocks, take
 from lightning_gradcomp.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
 from lightning_gradcomp.compressors.topk import TopKCompressor, k_for
 from lightning_gradcomp.validation import check_int
@@ -45,8 +45,8 @@ class GaussianKCompressor(TopKCompressor):
     1. ``mu`` and ``sigma`` of ``acc`` from one sum and one sum of squares
        (``sigma^2 = E[x^2] - mu^2``; both reductions read the tensor once and allocate nothing);
     2. ``thr = |mu| + Phi^-1(1 - rho/2) * sigma`` (the paper's threshold); find the entries with
-       ``|acc| > thr`` through per-block maxima (:class:`MagnitudeBlocks`: two reductions, then
-       only the blocks holding candidates are read);
+       ``|acc| > thr`` through per-block maxima (:class:`~.blocks.MagnitudeBlocks`: two reductions,
+       then only the blocks holding candidates are read; a unit read in pieces has each piece's blocks);
     3. while fewer than ``k/2`` are found, up to ``refinements`` times: halve ``thr``, but never
        below the ``k``-th largest block maximum (at least ``k`` entries reach that one, since each
        of those ``k`` blocks holds one; it costs a Top-k of the ``d / 64`` block maxima), so one
@@ -82,19 +82,18 @@ class GaussianKCompressor(TopKCompressor):
     """
 
     name = "gaussiank"
-    takes_segments = False  # its threshold and block maxima read one flat tensor
 
     def __init__(self, density: float = 0.001, refinements: int = 3) -> None:
         super().__init__(density)
         self.refinements = check_int("refinements", refinements, 0, 10)
 
     def compress(
-        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+        self, x: Tensor | Segments, generator: torch.Generator | None = None, scale: Tensor | None = None
     ) -> SparsePayload:
         """The selected entries in ``k`` fixed slots (the count varies, the wire size does not)."""
         flat = x.reshape(-1)
         indices = self.select(flat, generator)
-        return SparsePayload(indices, flat[indices], x.shape, slots=k_for(flat.numel(), self.density))
+        return SparsePayload(indices, take(flat, indices), x.shape, slots=k_for(flat.numel(), self.density))
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
         return SparsePayload.from_bytes(buffer, shape, dtype, slots=k_for(shape.numel(), self.density))
@@ -104,26 +103,28 @@ class GaussianKCompressor(TopKCompressor):
         k = k_for(shape.numel(), self.density)
         return sparse_nbytes(shape.numel(), k, itemsize(dtype), slots=k)
 
-    def threshold(self, x: Tensor) -> float:
-        """The initial threshold ``|mu| + Phi^-1(1 - rho/2) * sigma`` of the flat tensor ``x`` (0 for an empty one)."""
+    def threshold(self, x: Tensor | Segments) -> float:
+        """The initial threshold ``|mu| + Phi^-1(1 - rho/2) * sigma`` of the flat tensor ``x`` (0 for an empty one);
+        pieces are reduced one by one and their sums added."""
         d = x.numel()
         if d == 0:
             return 0.0
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        total = float(torch.sum(x, dtype=acc_dtype))
-        sumsq = float(torch.linalg.vector_norm(x, dtype=acc_dtype)) ** 2
+        parts = x.parts if isinstance(x, Segments) else [x]
+        total = sum(float(torch.sum(part, dtype=acc_dtype)) for part in parts)
+        sumsq = sum(float(torch.linalg.vector_norm(part, dtype=acc_dtype)) ** 2 for part in parts)
         mu = total / d
         sigma = math.sqrt(max(sumsq / d - mu * mu, 0.0))
         # read at every call: a density schedule may change ``self.density`` between epochs
         z = normal_quantile(1.0 - self.density / 2.0) if self.density < 1.0 else 0.0
         return abs(mu) + z * sigma
 
-    def select_k(self, flat: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
+    def select_k(self, flat: Tensor | Segments, k: int, generator: torch.Generator | None = None) -> Tensor:
         """Indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class."""
         thr = self.threshold(flat)
         if not math.isfinite(thr):
             return self.exact_select(flat)
-        blocks = MagnitudeBlocks(flat)
+        blocks = magnitude_blocks(flat)
         if blocks.peak() == 0.0:
             return torch.empty(0, dtype=torch.long, device=flat.device)
         indices = blocks.above(thr)
@@ -138,5 +139,5 @@ class GaussianKCompressor(TopKCompressor):
         if indices.numel() < LOWER * k:
             return self.exact_select(flat)
         if indices.numel() > k:
-            indices = indices[torch.topk(flat[indices].abs(), k, sorted=False).indices]
+            indices = indices[torch.topk(take(flat, indices, ascending=True).abs(), k, sorted=False).indices]
         return indices

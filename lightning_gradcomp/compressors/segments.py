@@ -17,9 +17,9 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.blocks import at_least
+from lightning_gradcomp.compressors.blocks import MagnitudeBlocks, at_least
 
-__all__ = ["Segments", "at_least_in", "largest", "pieces", "take"]
+__all__ = ["PieceBlocks", "Segments", "at_least_in", "largest", "magnitude_blocks", "pieces", "take"]
 
 
 class Segments:
@@ -154,3 +154,32 @@ def at_least_in(x: Tensor | Segments, thr: float, fraction: float) -> Tensor:
         return at_least(x, thr, fraction)
     found = [at_least(part, thr, fraction).add_(start) for part, start in zip(x.parts, x.starts, strict=True)]
     return torch.cat(found)
+
+
+class PieceBlocks:
+    """:class:`~lightning_gradcomp.compressors.blocks.MagnitudeBlocks` of each piece of :class:`Segments`, answering
+    as those of one tensor: the block maxima never span two pieces, and each block still holds one entry at its
+    maximum, so :meth:`kth_peak`'s guarantee holds as it is."""
+
+    def __init__(self, x: Segments, block: int = 64) -> None:
+        self.x = x
+        self.pieces = [MagnitudeBlocks(part, block) for part in x.parts]
+        self.peaks = torch.cat([b.peaks for b in self.pieces])
+
+    def peak(self) -> float:
+        return float(self.peaks.max()) if self.peaks.numel() else 0.0
+
+    def kth_peak(self, k: int) -> float:
+        if k > self.peaks.numel():
+            return 0.0
+        return float(torch.topk(self.peaks, k, sorted=False).values.min())
+
+    def above(self, thr: float, inclusive: bool = False) -> Tensor:
+        """Ascending flat indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``)."""
+        found = [b.above(thr, inclusive).add_(start) for b, start in zip(self.pieces, self.x.starts, strict=True)]
+        return torch.cat(found)
+
+
+def magnitude_blocks(x: Tensor | Segments, block: int = 64) -> MagnitudeBlocks | PieceBlocks:
+    """The block maxima of the flat ``x``, whether it is one tensor or pieces."""
+    return PieceBlocks(x, block) if isinstance(x, Segments) else MagnitudeBlocks(x, block)
