@@ -46,7 +46,24 @@ def streamed_above(flat: Tensor, thr: float, compare: Callable[..., Tensor] = to
     return torch.cat(found) if found else torch.empty(0, dtype=torch.long, device=flat.device)
 
 
-class MagnitudeBlocks:
+class BlockPeaks:
+    """The answers block maxima give (``peaks``: the largest ``|x|`` of each block), whatever cut the blocks."""
+
+    peaks: Tensor
+
+    def peak(self) -> float:
+        """The largest ``|x|`` (0 for an all-zero or empty tensor)."""
+        return float(self.peaks.max()) if self.peaks.numel() else 0.0
+
+    def kth_peak(self, k: int) -> float:
+        """The ``k``-th largest block maximum: at least ``k`` entries have ``|x|`` at or above it
+        (``0.0`` when there are fewer than ``k`` blocks, which every entry reaches)."""
+        if k > self.peaks.numel():
+            return 0.0
+        return float(torch.topk(self.peaks, k, sorted=False).values.min())
+
+
+class MagnitudeBlocks(BlockPeaks):
     """The largest ``|x|`` of each block of ``block`` consecutive entries, to find large entries without a full pass.
 
     Built with two reductions (``amax``, ``amin``) that read the tensor once each and write
@@ -67,17 +84,6 @@ class MagnitudeBlocks:
         if self._tail.numel():
             peaks = torch.cat([peaks, self._tail.abs().amax().reshape(1).to(peaks.dtype)])
         self.peaks = peaks
-
-    def peak(self) -> float:
-        """The largest ``|x|`` (0 for an all-zero or empty tensor)."""
-        return float(self.peaks.max()) if self.peaks.numel() else 0.0
-
-    def kth_peak(self, k: int) -> float:
-        """The ``k``-th largest block maximum: at least ``k`` entries have ``|x|`` at or above it
-        (``0.0`` when there are fewer than ``k`` blocks, which every entry reaches)."""
-        if k > self.peaks.numel():
-            return 0.0
-        return float(torch.topk(self.peaks, k, sorted=False).values.min())
 
     def above(self, thr: float, inclusive: bool = False) -> Tensor:
         """Ascending indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``).

@@ -17,7 +17,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.blocks import MagnitudeBlocks, at_least
+from lightning_gradcomp.compressors.blocks import BlockPeaks, MagnitudeBlocks, at_least
 
 __all__ = ["PieceBlocks", "Segments", "at_least_in", "largest", "magnitude_blocks", "pieces", "take"]
 
@@ -156,7 +156,7 @@ def at_least_in(x: Tensor | Segments, thr: float, fraction: float) -> Tensor:
     return torch.cat(found)
 
 
-class PieceBlocks:
+class PieceBlocks(BlockPeaks):
     """:class:`~lightning_gradcomp.compressors.blocks.MagnitudeBlocks` of each piece of :class:`Segments`, answering
     as those of one tensor: the block maxima never span two pieces, and each block still holds one entry at its
     maximum, so :meth:`kth_peak`'s guarantee holds as it is."""
@@ -165,14 +165,6 @@ class PieceBlocks:
         self.x = x
         self.pieces = [MagnitudeBlocks(part, block) for part in x.parts]
         self.peaks = torch.cat([b.peaks for b in self.pieces])
-
-    def peak(self) -> float:
-        return float(self.peaks.max()) if self.peaks.numel() else 0.0
-
-    def kth_peak(self, k: int) -> float:
-        if k > self.peaks.numel():
-            return 0.0
-        return float(torch.topk(self.peaks, k, sorted=False).values.min())
 
     def above(self, thr: float, inclusive: bool = False) -> Tensor:
         """Ascending flat indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``)."""
