@@ -3,8 +3,9 @@
 A fresh allocation of tens of megabytes is handed back to the system when freed, so the next step's
 faults its pages in again: on a 25M-parameter model that costs more than the arithmetic done in it
 (45 ms against 7 ms for the same multiply into a kept tensor, one CPU thread: benchmarks/kernels.py).
-The hook therefore keeps, per unit, the buffers its trip needs (the flat copy of a unit of several
-parameters, the average, the wire-precision summand) in a :class:`Workspace`, and hands compressors
+The hook therefore keeps, per unit, the buffers its trip still needs (the flat copy of a unit of several
+parameters that its compressor cannot read in DDP's buckets, an average that cannot be decoded over the bucket,
+the wire-precision summand) in a :class:`Workspace`, and hands compressors
 and aggregators a :data:`Scratch`: a function of (role, size, dtype, device) that returns the same tensor every step.
 A buffer's contents are whatever the last user left there.
 """
