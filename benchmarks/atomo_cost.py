@@ -1,7 +1,7 @@
 """Cost of spectral ATOMO compression per layer: SVD + sampling time against a plain copy, bytes against dense.
 
 For every weight (two or more dimensions) of LeNet-5 and ResNet-20 (the project's example models),
-times ``AtomoCompressor.compress`` (matrix view, ``torch.linalg.svd``, the water-filling
+times ``AtomoCompressor.compress`` (matrix view, its decomposition (sketched or exact), the water-filling
 probabilities, Bernoulli sampling; Wang et al., NeurIPS 2018, Sec. 5) and ``decompress`` on a
 random gradient of that shape, against ``Tensor.clone`` of the same tensor (the cost of handing it
 to a dense allreduce), and reports the mean payload bytes over the draws against the dense bytes

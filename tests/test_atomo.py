@@ -18,6 +18,7 @@ from test_terngrad import assert_unbiased
 
 from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
 from lightning_gradcomp.compressors import DensePayload
+from lightning_gradcomp.compressors import atomo as atomo_module
 from lightning_gradcomp.compressors.atomo import (
     AtomoCompressor,
     AtomoPayload,
@@ -26,6 +27,7 @@ from lightning_gradcomp.compressors.atomo import (
     sampling_variance,
     spectral_decomposition,
 )
+from lightning_gradcomp.compressors.spectral import sketched_decomposition
 
 Z = 5.0  # tolerance in standard deviations of the quantity tested
 
@@ -147,19 +149,30 @@ def _draws(atomo: AtomoCompressor, x: torch.Tensor, count: int, seed: int) -> to
 
 
 @pytest.mark.parametrize(
-    ("shape", "sigma", "budget"),
+    ("shape", "sigma", "budget", "sketch_rank"),
     [
-        ((12, 20), 2.0 ** -torch.arange(12.0) * 4, 3.0),  # decaying spectrum: the top atoms saturate
-        ((8, 3, 3, 3), None, 2.5),  # a conv kernel with a random (flat-ish) spectrum
+        ((12, 20), 2.0 ** -torch.arange(12.0) * 4, 3.0, None),  # decaying spectrum: the top atoms saturate
+        ((8, 3, 3, 3), None, 2.5, None),  # a conv kernel with a random (flat-ish) spectrum
+        # a rank-4 sketch of a rank-30 matrix, accepted whatever its residual: the 44 residual atoms are drawn too
+        ((48, 80), 0.7 ** torch.arange(30.0), 3.0, 4),
     ],
 )
-def test_atomo_is_unbiased_with_the_predicted_variance(shape: tuple, sigma: torch.Tensor | None, budget: float) -> None:
+def test_atomo_is_unbiased_with_the_predicted_variance(
+    shape: tuple, sigma: torch.Tensor | None, budget: float, sketch_rank: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if sigma is None:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     else:
         x = _with_spectrum(*shape, sigma, seed=4)
-    atomo = AtomoCompressor(budget)
+    if sketch_rank is None:
+        atomo = AtomoCompressor(budget)
+    else:
+        monkeypatch.setattr(atomo_module, "SKETCH_SLACK", math.inf)
+        atomo = AtomoCompressor(budget, sketch_rank=sketch_rank)
     u, s, vh = (t.double() for t in atomo.decompose(x))
+    if sketch_rank is not None:  # the sketch's residual atoms are not singular ones: their magnitudes sum to more
+        nuclear = float(torch.linalg.svdvals(x.double()).sum())
+        assert float(s.sum()) > 1.01 * nuclear and bool((s[sketch_rank:] > 0).all())
     p = atomo.probabilities(s)
     assert float(p.sum()) == pytest.approx(budget, rel=1e-9) and bool((p < 1).any())
     # entry (j, k) of g_hat is sum_i (s_i t_i / p_i) u_ji v_ik with independent t_i ~ Bernoulli(p_i)
@@ -476,3 +489,99 @@ def test_the_gradient_whose_gram_matrix_mkl_returned_nan_for_compresses_to_finit
     alive = p > 0
     assert bool((p[alive] == 1).any()) and bool((p[alive] < 1).any())  # both kinds of atom are tested
     assert_unbiased(total[alive], s[alive], s[alive] / p[alive], draws, exact_rtol=1e-5)
+
+
+# ---------------------------------------------------------------- sketched decomposition
+
+
+def _low_rank(m: int, n: int, rank: int, noise: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, rank, generator=gen, dtype=torch.float64) @ torch.randn(
+        rank, n, generator=gen, dtype=torch.float64
+    )
+    return (a + noise * torch.randn(m, n, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def _spy_sketches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Record ``(rank, accepted)`` of every sketch the compressor tries."""
+    tried: list[tuple[int, bool]] = []
+
+    def spy(matrix: torch.Tensor, test_matrix: torch.Tensor, slack: float) -> object:
+        atoms = sketched_decomposition(matrix, test_matrix, slack)
+        tried.append((test_matrix.shape[1], atoms is not None))
+        return atoms
+
+    monkeypatch.setattr(atomo_module, "sketched_decomposition", spy)
+    return tried
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("shape", "noise"), [((200, 600), 0.0), ((600, 200), 0.0), ((200, 600), 1e-5)])
+def test_sketched_atoms_sum_to_the_matrix_with_magnitudes_within_the_slack_of_the_nuclear_norm(
+    shape: tuple[int, int], noise: float, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a linear layer's gradient has rank <= the samples in the batch: 20 here, under the first sketch's 32
+    x = _low_rank(*shape, 20, noise, dtype, seed=2)
+    tried = _spy_sketches(monkeypatch)
+    u, sigma, vh = AtomoCompressor(3).decompose(x)
+    assert tried == [(32, True)]
+    eps = torch.finfo(dtype).eps
+    side = min(shape)
+    assert u.shape == (shape[0], side) and sigma.shape == (side,) and vh.shape == (side, shape[1])
+    assert float((u @ torch.diag(sigma) @ vh - x).norm() / x.norm()) < 100 * eps  # unbiased: the atoms sum to x
+    basis = u if shape[0] <= shape[1] else vh.T
+    assert float((basis.T @ basis - torch.eye(side, dtype=dtype)).abs().max()) < 100 * eps
+    svd = torch.linalg.svdvals(x.double())
+    assert float(sigma.double().sum()) <= (1 + atomo_module.SKETCH_SLACK) * float(svd.sum())
+    torch.testing.assert_close(sigma[:20].double(), svd[:20], rtol=100 * eps, atol=100 * eps * float(svd[0]))
+    # the variance at ATOMO's probabilities is within the slack's reach of the exact decomposition's
+    exact = AtomoCompressor(3, decomposition="full")
+    variance = float(sampling_variance(sigma, atomo_probabilities(sigma.double(), 3)))
+    exact_sigma = exact.decompose(x)[1]
+    exact_variance = float(sampling_variance(exact_sigma, atomo_probabilities(exact_sigma.double(), 3)))
+    bound = (1 + atomo_module.SKETCH_SLACK) ** 2 * float(svd.sum()) ** 2 / 3 - float(svd.pow(2).sum())
+    assert exact_variance * (1 - 1e-4) <= variance <= bound
+
+
+def test_the_sketch_rank_doubles_until_the_residual_is_small_and_the_exact_decomposition_takes_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tried = _spy_sketches(monkeypatch)
+    rank_40 = _low_rank(300, 500, 40, 0.0, torch.float32, seed=3)
+    u, sigma, vh = AtomoCompressor(3, sketch_rank=16).decompose(rank_40)
+    assert tried == [(16, False), (32, False), (64, True)]
+    assert float((u @ torch.diag(sigma) @ vh - rank_40).norm() / rank_40.norm()) < 1e-5
+    tried.clear()
+    flat = torch.randn(300, 500, generator=torch.Generator().manual_seed(4))
+    atoms = AtomoCompressor(3, sketch_rank=16).decompose(flat)
+    assert tried == [(16, False), (32, False), (64, False)]  # 4 * 128 > 300: the exact decomposition
+    for got, want in zip(atoms, spectral_decomposition(flat), strict=True):
+        assert torch.equal(got, want)
+    tried.clear()
+    full = AtomoCompressor(3, decomposition="full").decompose(rank_40)
+    assert tried == [] and torch.equal(full[1], spectral_decomposition(rank_40)[1])
+    # small sides never sketch: 4 * 32 > 120 (LeNet-5's fc1)
+    AtomoCompressor(3).decompose(torch.randn(120, 400))
+    assert tried == []
+
+
+def test_sketched_payloads_depend_only_on_the_gradient_and_the_generator() -> None:
+    x = _low_rank(256, 700, 10, 1e-6, torch.float32, seed=5)
+    first = AtomoCompressor(3).compress(x, torch.Generator().manual_seed(9))
+    again = AtomoCompressor(3).compress(x, torch.Generator().manual_seed(9))
+    assert isinstance(first, AtomoPayload) and torch.equal(first.to_bytes(), again.to_bytes())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"decomposition": "svd"}, "decomposition must be one of"),
+        ({"decomposition": None}, "decomposition must be one of"),
+        ({"sketch_rank": 0}, "sketch_rank"),
+        ({"sketch_rank": 2.5}, "sketch_rank"),
+        ({"sketch_rank": True}, "sketch_rank"),
+    ],
+)
+def test_bad_decomposition_arguments_are_rejected(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AtomoCompressor(3, **kwargs)

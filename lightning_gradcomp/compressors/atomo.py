@@ -20,6 +20,17 @@ Choices of this implementation (each one documented where it happens):
   soon as one probability is clipped; it is kept as :func:`one_pass_probabilities`, for
   comparison only. The authors' code also re-draws when no atom was kept, which biases the
   estimator; this implementation does not (an empty payload is a valid, unbiased draw).
+* **Decomposition**: the estimator is unbiased for any orthonormal atoms; the singular ones give
+  the least variance (:mod:`~lightning_gradcomp.compressors.spectral`). By default a layer whose
+  smaller side is at least four times the sketch's rank is first sketched: a randomized range
+  finder of rank 32 (doubled while too coarse) gives its dominant singular atoms, and the
+  remaining directions of an orthonormal completion carry the residual, accepted only when those
+  atoms' magnitudes sum to at most 5% of the top ones' (so the variance stays within that of a
+  decomposition with 1.05 times the nuclear norm). A linear layer's gradient has rank at most the
+  samples in the batch, which the sketch captures whole: on a 512 x 3072 layer (batch 32) a draw
+  costs 12 ms instead of 59 ms on one CPU thread, with the same variance. Other layers, and
+  ``decomposition="full"``, take the exact decomposition (the authors' full SVD, computed through
+  the Gram matrix).
 * **Matrix view**: a tensor of shape ``(out, d1, d2, ...)`` becomes ``(out, d1 * d2 * ...)``:
   convolutions ``(out, in, kh, kw) -> (out, in*kh*kw)``, linear weights stay ``(out, in)`` (the
   view PyTorch's PowerSGD hook uses). The authors reshape a convolution ``(a, b, c, d)`` to
@@ -53,11 +64,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.base import Compressor, Payload, all_finite
 from lightning_gradcomp.compressors.identity import DensePayload
 from lightning_gradcomp.compressors.sparse import itemsize
+from lightning_gradcomp.compressors.spectral import sketched_decomposition, spectral_decomposition
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
-from lightning_gradcomp.validation import check_number
+from lightning_gradcomp.validation import check_choice, check_int, check_number
+
+#: ``decomposition`` choices of :class:`AtomoCompressor`
+DECOMPOSITIONS = ("sketched", "full")
+#: a sketch is kept when its residual atoms' magnitudes sum to at most this fraction of the top atoms'
+SKETCH_SLACK = 0.05
+#: seed of the sketches' Gaussian test matrices (fixed: the same gradient always gets the same atoms)
+SKETCH_SEED = 0x5EED
 
 
 def validate_budget(budget: float) -> float:
@@ -193,57 +212,6 @@ class AtomoPayload(Payload):
         return self.u.T @ (self.coefficients[:, None] * self.v)
 
 
-def spectral_decomposition(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``U, S, Vh`` with ``matrix = U diag(S) Vh``, ``S`` descending, through the Gram matrix of the smaller side.
-
-    For a wide ``(m, n)`` matrix ``A`` (``m <= n``): the eigenvectors ``U`` of ``A A^T`` (``m x m``,
-    ``torch.linalg.eigh``) form an orthonormal basis, so ``A = U (U^T A)`` exactly, whatever the
-    accuracy of the eigenvalues; row ``i`` of ``B = U^T A`` is ``sigma_i v_i^T`` with
-    ``sigma_i = ||B_i||``. A tall matrix goes through ``A^T A`` the same way. On one CPU thread a
-    512 x 3072 fp32 matrix takes about 30 ms this way against 310 ms for ``torch.linalg.svd``.
-
-    Why ATOMO stays exact: its estimator keeps atom ``u_i B_i`` with probability ``p_i`` and scales
-    it by ``1 / p_i``, so ``E = sum_i u_i B_i = U U^T A = A`` needs only ``U`` orthonormal, which a
-    symmetric eigensolver delivers to working precision; ``sigma_i`` is read off ``B`` (absolute
-    error about ``eps * ||A||``, as an SVD's), not from the squared eigenvalues, whose small values
-    lose half their digits. A direction with ``sigma_i = 0`` has ``B_i = 0``, carries nothing, and
-    gets ``v_i = 0`` and probability 0.
-
-    Any orthonormal ``U`` keeps that identity, which is what the fallback uses: when LAPACK's
-    symmetric eigensolver fails on an ill-conditioned Gram matrix (no convergence, or non-finite
-    eigenvectors: both seen on LeNet-5's gradients), the basis comes from an SVD of ``A`` itself.
-    (Non-finite gradients never get here: :meth:`AtomoCompressor.compress` sends them on as they are.)
-    """
-    m, n = matrix.shape
-    wide = m <= n
-    a = matrix if wide else matrix.T
-    basis = _orthonormal_basis(a)
-    rows = basis.T @ a  # row i: sigma_i v_i^T
-    sigma = torch.linalg.vector_norm(rows, dim=1)
-    order = torch.argsort(sigma, descending=True)
-    basis, rows, sigma = basis[:, order], rows[order], sigma[order]
-    directions = rows / torch.where(sigma > 0, sigma, 1.0).unsqueeze(1)
-    if wide:
-        return basis, sigma, directions
-    return directions.T, sigma, basis.T
-
-
-def _orthonormal_basis(a: Tensor) -> Tensor:
-    """Eigenvectors of ``a a^T`` (``a`` wide), or the left singular vectors of ``a`` if the eigensolver fails.
-
-    It fails in two ways, both seen on LeNet-5's gradients: it raises (no convergence), or, with
-    MKL's solver on one thread and a rank-deficient Gram matrix (a layer with dead units), it
-    returns NaN eigenvectors without raising, which would poison every rank's average.
-    """
-    try:
-        basis = torch.linalg.eigh(a @ a.T).eigenvectors  # orthonormal, ascending eigenvalues
-        if bool(torch.isfinite(basis).all()):
-            return basis
-    except torch.linalg.LinAlgError:
-        pass
-    return torch.linalg.svd(a, full_matrices=False).U
-
-
 class AtomoCompressor(Compressor):
     """Spectral ATOMO (Wang et al., NeurIPS 2018, Sec. 5): sample rank-1 SVD atoms with variance-optimal probabilities.
 
@@ -258,14 +226,26 @@ class AtomoCompressor(Compressor):
     Args:
         budget: the sparsity budget ``s``, the expected number of atoms per layer (> 0; the
             authors used 3 for ResNet-18 on CIFAR-10).
+        decomposition: ``"sketched"`` (default) tries a randomized rank-``sketch_rank`` sketch,
+            doubling the rank while its residual atoms carry too much (their magnitudes' sum above
+            :data:`SKETCH_SLACK` of the top atoms'), and decomposes exactly once the rank would reach
+            a quarter of the smaller side; ``"full"`` always decomposes exactly. Both are unbiased
+            (:mod:`~lightning_gradcomp.compressors.spectral`); an accepted sketch's variance is at
+            most that of a decomposition whose magnitudes sum to ``1 + SKETCH_SLACK`` times the
+            nuclear norm. Gradients of linear layers have rank at most the tokens in the batch,
+            which the default rank of 32 often covers.
+        sketch_rank: the first rank tried by ``"sketched"`` (>= 1).
     """
 
     name = "atomo"
     unbiased = True
     needs_layer_shape = True
 
-    def __init__(self, budget: float = 3) -> None:
+    def __init__(self, budget: float = 3, decomposition: str = "sketched", sketch_rank: int = 32) -> None:
         self.budget = validate_budget(budget)
+        self.decomposition = check_choice("decomposition", decomposition, DECOMPOSITIONS)
+        self.sketch_rank = check_int("sketch_rank", sketch_rank, 1, note="the first rank a sketch tries")
+        self._test_matrices: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
 
     def matrix_shape(self, shape: torch.Size, dtype: torch.dtype) -> tuple[int, int] | None:
         """The ``(m, n)`` view a tensor of ``shape`` is decomposed as, or ``None`` when it travels dense.
@@ -284,11 +264,33 @@ class AtomoCompressor(Compressor):
         return m, n
 
     def decompose(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``U, S, Vh`` of ``x``'s matrix view, in :func:`wire_dtype` (requires a matrix-shaped ``x``)."""
+        """``U, S, Vh`` of ``x``'s matrix view, in :func:`wire_dtype` (requires a matrix-shaped ``x``).
+
+        Orthonormal atoms that sum to the matrix (``decomposition``); the same ``x`` always gets the
+        same atoms: the sketches' test matrices are drawn once, from a fixed seed.
+        """
         matrix = self.matrix_shape(x.shape, x.dtype)
         if matrix is None:
             raise ValueError(f"a tensor of shape {tuple(x.shape)} and {x.dtype} travels dense; it has no ATOMO atoms")
-        return spectral_decomposition(x.detach().reshape(matrix).to(wire_dtype(x.dtype)))
+        a = x.detach().reshape(matrix).to(wire_dtype(x.dtype))
+        wide = a.shape[0] <= a.shape[1]
+        side = a if wide else a.T
+        rank = self.sketch_rank
+        while self.decomposition == "sketched" and 4 * rank <= side.shape[0]:
+            atoms = sketched_decomposition(side, self._test_matrix(side, rank), SKETCH_SLACK)
+            if atoms is not None:
+                u, sigma, vh = atoms
+                return (u, sigma, vh) if wide else (vh.T, sigma, u.T)
+            rank *= 2
+        return spectral_decomposition(a)
+
+    def _test_matrix(self, side: Tensor, rank: int) -> Tensor:
+        """The ``(n, rank)`` Gaussian test matrix of a sketch, drawn once per shape from a fixed seed."""
+        key = (side.shape[1], rank, side.dtype, side.device)
+        if key not in self._test_matrices:
+            gen = torch.Generator().manual_seed(SKETCH_SEED)
+            self._test_matrices[key] = torch.randn(key[:2], generator=gen, dtype=side.dtype).to(side.device)
+        return self._test_matrices[key]
 
     def probabilities(self, singular_values: Tensor) -> Tensor:
         """Keep-probabilities of the atoms (float64): :func:`atomo_probabilities` with this budget."""
@@ -302,7 +304,7 @@ class AtomoCompressor(Compressor):
             return DensePayload(x.reshape(-1), x.shape)
         m, n = matrix
         atom_dtype = wire_dtype(x.dtype)
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x) and not bool(torch.isfinite(x).all()):  # one sum; a mask only if it overflows
             nan = torch.full((1,), math.nan, dtype=atom_dtype, device=x.device)
             ones = (
                 torch.ones((1, m), dtype=atom_dtype, device=x.device),

@@ -1,0 +1,115 @@
+"""Orthonormal rank-one atoms of a matrix, ``A = sum_i sigma_i u_i v_i^T``, for spectral ATOMO.
+
+ATOMO's estimator (Wang et al., NeurIPS 2018, Sec. 3) is unbiased for ANY orthonormal atomic
+decomposition: with ``U`` an orthonormal basis of the smaller side, ``A = U (U^T A)`` is a sum of
+the orthonormal atoms ``u_i (u_i^T A)``, and keeping atom ``i`` with probability ``p_i``, scaled by
+``1 / p_i``, averages to ``A``. The basis only sets the variance, ``(sum_i sigma_i)^2 / s - ||A||^2``
+at the optimal probabilities (no atom saturated), which is smallest when ``sum_i sigma_i`` is the
+nuclear norm: the singular value decomposition (Sec. 5).
+
+Two ways to build such a basis, one job each:
+
+* :func:`spectral_decomposition`: the exact singular atoms, through the eigenvectors of the Gram
+  matrix of the smaller side (``O(m^2 n + m^3)``).
+* :func:`sketched_decomposition`: a randomized range finder (Halko, Martinsson and Tropp, SIAM
+  Review 2011, Alg. 4.4 with one power iteration) finds the ``r`` dominant left directions; their
+  Householder reflectors complete them to an orthonormal basis of the whole side, applied in the
+  compact WY form ``H = I - V T V^T`` (Joffrain et al., ACM TOMS 2006): ``O(m n r)`` for a rank-``r``
+  sketch. The top ``r`` coordinates are decomposed exactly; each remaining basis direction is one
+  atom of the residual. It is accepted only when those residual atoms' magnitudes sum to at most
+  ``slack`` times the top ones', which keeps ``sum_i sigma_i`` within ``1 + slack`` of the nuclear
+  norm (the top ones' sum never exceeds it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def spectral_decomposition(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``U, S, Vh`` with ``matrix = U diag(S) Vh``, ``S`` descending, through the Gram matrix of the smaller side.
+
+    For a wide ``(m, n)`` matrix ``A`` (``m <= n``): the eigenvectors ``U`` of ``A A^T`` (``m x m``,
+    ``torch.linalg.eigh``) form an orthonormal basis, so ``A = U (U^T A)`` exactly, whatever the
+    accuracy of the eigenvalues; row ``i`` of ``B = U^T A`` is ``sigma_i v_i^T`` with
+    ``sigma_i = ||B_i||``. A tall matrix goes through ``A^T A`` the same way. On one CPU thread a
+    512 x 3072 fp32 matrix takes about 30 ms this way against 310 ms for ``torch.linalg.svd``.
+
+    Why ATOMO stays exact: its estimator keeps atom ``u_i B_i`` with probability ``p_i`` and scales
+    it by ``1 / p_i``, so ``E = sum_i u_i B_i = U U^T A = A`` needs only ``U`` orthonormal, which a
+    symmetric eigensolver delivers to working precision; ``sigma_i`` is read off ``B`` (absolute
+    error about ``eps * ||A||``, as an SVD's), not from the squared eigenvalues, whose small values
+    lose half their digits. A direction with ``sigma_i = 0`` has ``B_i = 0``, carries nothing, and
+    gets ``v_i = 0`` and probability 0.
+
+    Any orthonormal ``U`` keeps that identity, which is what the fallback uses: when LAPACK's
+    symmetric eigensolver fails on an ill-conditioned Gram matrix (no convergence, or non-finite
+    eigenvectors: both seen on LeNet-5's gradients), the basis comes from an SVD of ``A`` itself.
+    (Non-finite gradients never get here: :meth:`AtomoCompressor.compress` sends them on as they are.)
+    """
+    m, n = matrix.shape
+    wide = m <= n
+    a = matrix if wide else matrix.T
+    basis = _orthonormal_basis(a)
+    rows = basis.T @ a  # row i: sigma_i v_i^T
+    sigma = torch.linalg.vector_norm(rows, dim=1)
+    order = torch.argsort(sigma, descending=True)
+    basis, rows, sigma = basis[:, order], rows[order], sigma[order]
+    directions = rows / torch.where(sigma > 0, sigma, 1.0).unsqueeze(1)
+    if wide:
+        return basis, sigma, directions
+    return directions.T, sigma, basis.T
+
+
+def _orthonormal_basis(a: Tensor) -> Tensor:
+    """Eigenvectors of ``a a^T`` (``a`` wide), or the left singular vectors of ``a`` if the eigensolver fails.
+
+    It fails in two ways, both seen on LeNet-5's gradients: it raises (no convergence), or, with
+    MKL's solver on one thread and a rank-deficient Gram matrix (a layer with dead units), it
+    returns NaN eigenvectors without raising, which would poison every rank's average.
+    """
+    try:
+        basis = torch.linalg.eigh(a @ a.T).eigenvectors  # orthonormal, ascending eigenvalues
+        if bool(torch.isfinite(basis).all()):
+            return basis
+    except torch.linalg.LinAlgError:
+        pass
+    return torch.linalg.svd(a, full_matrices=False).U
+
+
+def sketched_decomposition(matrix: Tensor, test_matrix: Tensor, slack: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``U, S, Vh`` with ``matrix = U diag(S) Vh`` from a rank-``r`` sketch, or ``None`` when its residual is too large.
+
+    ``matrix`` is wide ``(m, n)``, ``m <= n``; ``test_matrix`` is ``(n, r)`` with ``r < m``. ``U`` is
+    orthonormal (``m x m``) whatever the sketch's quality, so the atoms sum to ``matrix`` to working
+    precision and ATOMO stays unbiased; the first ``r`` atoms are the exact singular atoms of the
+    projection onto the sketched range (``S`` descending there), the other ``m - r`` are the
+    residual's coordinates along the completing Householder directions (module docstring), in
+    their basis order. ``None`` when those coordinates' norms sum to more than ``slack`` times the
+    first ``r`` singular values' sum: the caller then sketches a larger rank or decomposes exactly.
+    """
+    m = matrix.shape[0]
+    r = test_matrix.shape[1]
+    sketch = torch.linalg.qr(matrix @ test_matrix).Q
+    sketch = matrix @ (matrix.T @ sketch)  # one power iteration: the range of (A A^T) A Omega
+    reflectors, tau = torch.geqrf(sketch)
+    vectors = torch.tril(reflectors, -1) + torch.eye(m, r, dtype=matrix.dtype, device=matrix.device)
+    trivial = tau == 0  # H_j = I (a zero column): drop its vector so T's entry for it is never used
+    vectors[:, trivial] = 0
+    # H = H_1 ... H_r = I - V T V^T with T^{-1} = strict_upper(V^T V) + diag(1 / tau) (Joffrain et al., Sec. 3)
+    t_inverse = torch.triu(vectors.T @ vectors, 1) + torch.diag(torch.where(trivial, 1.0, 1.0 / tau))
+    coordinates = torch.addmm(
+        matrix, vectors, torch.linalg.solve_triangular(t_inverse.T, vectors.T @ matrix, upper=False), alpha=-1
+    )  # H^T A
+    residual_sigma = torch.linalg.vector_norm(coordinates[r:], dim=1)  # below the sketched directions
+    top_u, top_sigma, top_vh = spectral_decomposition(coordinates[:r])
+    if float(residual_sigma.sum()) > slack * float(top_sigma.sum()):
+        return None
+    u = torch.eye(m, dtype=matrix.dtype, device=matrix.device)
+    u -= vectors @ torch.linalg.solve_triangular(t_inverse, vectors.T, upper=True)  # H
+    u[:, :r] = u[:, :r] @ top_u
+    vh = coordinates
+    vh[:r] = top_vh
+    vh[r:] /= torch.where(residual_sigma > 0, residual_sigma, 1.0).unsqueeze(1)
+    return u, torch.cat([top_sigma, residual_sigma]), vh
