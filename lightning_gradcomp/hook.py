@@ -75,7 +75,7 @@ from torch import Tensor
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution, Pending
 from lightning_gradcomp.comm.hierarchy import FlatTopology, NodeTopology
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor
-from lightning_gradcomp.compressors.segments import Segments, pieces
+from lightning_gradcomp.compressors.segments import Segments, adjoining, pieces
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.schedule import DensityWarmup, Regime, WarmupSchedule
@@ -105,7 +105,9 @@ class StepStats:
     Under ``hierarchy="node"`` the dense sums and shares inside the node are counted apart, in
     ``bytes_sent_intra_node`` / ``bytes_received_intra_node``: ``bytes_sent`` is then what this rank
     handed to collectives between nodes.
-    ``nonfinite_units`` counts units whose average held NaN/Inf: their memory was left as it was.
+    ``nonfinite_units`` counts units whose average held NaN/Inf: their memory was left as it was
+    (counted under a memory with state only: ``memory="none"`` has nothing to protect, and its
+    average reaches the optimizer as it is, as under plain DDP).
     ``selected`` counts the entries of sparse payloads. ``layers`` (with ``track_layers``) and
     ``captures`` (after :meth:`GradCompHook.request_capture`) are filled for the diagnostics.
     """
@@ -453,17 +455,19 @@ class GradCompHook:
                     grad.copy_(mean)
                 continue
             # The mean is written over the compressed tensor itself (DDP's bucket, or the unit's kept copy) when
-            # the memory can first settle from what this rank sent and the gathered data tell whether the mean is
-            # finite; else it is decoded into a kept buffer first.
-            early = agg.reached_before_mean and (agg.finite_known or not self.memory.uses_sent)
+            # what must be read first can be: what this rank sent (for the memory, or a capture) and whether the
+            # mean is finite (for a memory with state); else it is decoded into a kept buffer first.
+            reads_sent = self.memory.uses_sent or unit.index in raws
+            early = (agg.reached_before_mean or not reads_sent) and (agg.finite_known or not self.memory.keeps_state)
             if not early:
                 agg.decode_into(None)
             if unit.index in raws:  # before the bucket, which may hold the compensated tensor, is overwritten
                 self._record_capture(stats, unit, raws[unit.index], parts, contribution, agg.sent)
             reached = agg.reached.split(unit.numels) if self.memory.uses_sent else [None] * len(unit.names)
             # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
-            # optimizer as under plain DDP (GradScaler skips it) but never enters the memory.
-            finite = agg.finite
+            # optimizer as under plain DDP (GradScaler skips it) but never enters the memory (a memoryless
+            # method has none to keep it from: no pass over the mean to find out).
+            finite = agg.finite if self.memory.keeps_state else True
             stats.nonfinite_units += not finite
             if finite:
                 for name, part, sent in zip(unit.names, parts, reached, strict=True):
@@ -495,11 +499,15 @@ class GradCompHook:
 
     def _unit_tensor(self, unit: Unit, grads: list[Tensor]) -> Tensor | Segments:
         """The tensor a unit is compressed from: a lone parameter's gradient itself (a view of DDP's bucket,
-        in its shape); the unit's gradients where they lie, as :class:`Segments`, for a compressor that reads
-        them so (no copy); else the gradients copied into a flat buffer allocated once and kept (a node's sum
-        is taken in that buffer)."""
+        in its shape); gradients that lie back to back in one bucket, as one flat view of it; the unit's
+        gradients where they lie, as :class:`Segments`, for a compressor that reads them so (no copy); else
+        the gradients copied into a flat buffer allocated once and kept (a node's sum is taken in the
+        tensor the unit is compressed from, whichever it is)."""
         if len(grads) == 1:
             return grads[0].view(unit.shape)
+        inside_bucket = adjoining(grads)
+        if inside_bucket is not None:
+            return inside_bucket
         if unit.compressed and self.compressor.takes_segments and isinstance(self.topology, FlatTopology):
             return Segments(grads)
         like = grads[0]

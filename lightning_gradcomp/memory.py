@@ -46,11 +46,13 @@ class Memory(ABC):
     """Per-parameter compression state.
 
     ``uses_sent``: whether :meth:`update` reads what was sent (a memoryless method does not: the
-    hook then never decodes the local payload for it and passes ``None``).
+    hook then never decodes the local payload for it and passes ``None``). ``keeps_state``: whether
+    there is state a non-finite average must not reach (the hook only checks the average then).
     """
 
     name: ClassVar[str]
     uses_sent: ClassVar[bool] = True
+    keeps_state: ClassVar[bool] = True
 
     @abstractmethod
     def compensate(self, name: str, grad: Tensor) -> Tensor:
@@ -118,6 +120,7 @@ class NoMemory(Memory):
 
     name = "none"
     uses_sent = False
+    keeps_state = False
 
     def compensate(self, name: str, grad: Tensor) -> Tensor:
         return grad

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import DGCCompressor, GaussianKCompressor, TopKCompressor
-from lightning_gradcomp.compressors.segments import Segments, pieces
+from lightning_gradcomp.compressors.segments import Segments, adjoining, pieces
 
 SIZES = (300_000, 7, 1_000_000, 4096)
 
@@ -95,3 +95,18 @@ def test_segments_refuse_what_they_cannot_be() -> None:
         segments.reshape(7, 1)
     with pytest.raises(ValueError, match="dim must be 0"):
         segments.index_add_(1, torch.tensor([0]), torch.tensor([1.0]))
+
+
+def test_parts_back_to_back_in_one_buffer_are_read_as_one_view_of_it() -> None:
+    bucket = torch.arange(20.0)
+    parts = [bucket[2:5], bucket[5:12].view(7, 1), bucket[12:20]]  # as DDP's bucket holds a unit's gradients
+    flat = adjoining(parts)
+    assert flat is not None and flat.shape == (18,) and flat.data_ptr() == bucket[2:].data_ptr()
+    assert torch.equal(flat, bucket[2:20])
+    flat.mul_(-1)  # written through: the bucket sees it
+    assert torch.equal(bucket[2:], -torch.arange(2.0, 20.0)) and torch.equal(bucket[:2], torch.arange(2.0))
+    other = torch.zeros(8)
+    assert adjoining([bucket[2:5], bucket[6:9]]) is None  # a gap
+    assert adjoining([bucket[5:8], bucket[2:5]]) is None  # out of order
+    assert adjoining([bucket[2:5], other[3:6]]) is None  # two buffers
+    assert adjoining([bucket[0:8].view(2, 4).T, bucket[8:10]]) is None  # not contiguous

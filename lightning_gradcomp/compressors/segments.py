@@ -127,6 +127,18 @@ class Segments:
         return indices[torch.topk(values, k, sorted=False).indices]
 
 
+def adjoining(parts: Sequence[Tensor]) -> Tensor | None:
+    """``parts`` as one flat view when they lie back to back, in order, in one storage (a unit inside one of
+    DDP's buckets: the bucket's gradients are views of its buffer), else ``None``."""
+    first = parts[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for part in parts:
+        if part.untyped_storage().data_ptr() != storage or part.storage_offset() != offset or not part.is_contiguous():
+            return None
+        offset += part.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+
+
 def pieces(x: Tensor | Segments, numels: Sequence[int]) -> list[Tensor]:
     """The flat share of each parameter of a unit's tensor, of ``numels`` elements each (views, never copies)."""
     if isinstance(x, Segments):
