@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
 
 import torch
 from torch import Tensor
@@ -30,18 +30,28 @@ def sparse_nonzero(mask: Tensor) -> Tensor:
     return indices
 
 
-def streamed_above(flat: Tensor, thr: float, compare: Callable[..., Tensor] = torch.gt) -> Tensor:
-    """Ascending indices of the entries of the 1-D ``flat`` with ``compare(|x|, thr)``, chunk by chunk: no
-    temporary of the tensor's size (``|x|`` and its mask of a whole 25M-entry model would be 125 MB)."""
+def streamed_above(flat: Tensor, thr: float, inclusive: bool = False) -> Tensor:
+    """Ascending indices of the entries of the 1-D ``flat`` with ``|x| > thr`` (``>=`` when ``inclusive``), chunk by
+    chunk: no temporary of the tensor's size (``|x|`` and its mask of a whole 25M-entry model would be 125 MB).
+
+    The test is ``hardshrink``'s, ``|x| > lambda`` in one pass (``lambda``: ``thr``, or the ``flat`` dtype's
+    number just below it for ``>=``), and its result becomes a mask by a cast: on one CPU thread a third of
+    the time of ``abs`` then a comparison. A NaN passes (as ``torch.topk`` ranks NaN above everything).
+    """
+    if thr < 0 or (inclusive and thr == 0):
+        return torch.arange(flat.numel(), device=flat.device)
+    if inclusive:
+        below = torch.tensor(thr, dtype=flat.dtype).nextafter(torch.tensor(-math.inf, dtype=flat.dtype))
+        thr = float(below)
     size = min(flat.numel(), STREAM_CHUNK)
-    magnitudes = torch.empty(size, dtype=flat.dtype, device=flat.device)
+    shrunk = torch.empty(size, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(size, dtype=torch.bool, device=flat.device)
     found = []
     for start in range(0, flat.numel(), STREAM_CHUNK):
         chunk = flat[start : start + STREAM_CHUNK]
         n = chunk.numel()
-        torch.abs(chunk, out=magnitudes[:n])
-        compare(magnitudes[:n], thr, out=mask[:n])
+        torch.ops.aten.hardshrink.out(chunk, thr, out=shrunk[:n])
+        mask[:n].copy_(shrunk[:n])
         found.append(sparse_nonzero(mask[:n]).add_(start))
     return torch.cat(found) if found else torch.empty(0, dtype=torch.long, device=flat.device)
 
@@ -95,7 +105,7 @@ class MagnitudeBlocks(BlockPeaks):
         compare = torch.ge if inclusive else torch.gt
         blocks = torch.nonzero(compare(self.peaks[: self._full], thr)).reshape(-1)
         if blocks.numel() * STREAM_FRACTION > self._full:
-            return streamed_above(self.flat, thr, compare)
+            return streamed_above(self.flat, thr, inclusive)
         hits = torch.nonzero(compare(self._body.index_select(0, blocks).abs(), thr))
         indices = blocks[hits[:, 0]] * self.block + hits[:, 1]
         if self._tail.numel() and bool(compare(self.peaks[-1], thr)):
@@ -109,5 +119,5 @@ def at_least(flat: Tensor, thr: float, fraction: float, block: int = 64) -> Tens
     through block maxima when few blocks would pass, else by one streamed pass (no block maxima to build)."""
     passing = 1.0 - (1.0 - min(max(fraction, 0.0), 1.0)) ** block  # blocks holding at least one such entry
     if passing * STREAM_FRACTION > 1.0:
-        return streamed_above(flat, thr, torch.ge)
+        return streamed_above(flat, thr, inclusive=True)
     return MagnitudeBlocks(flat, block).above(thr, inclusive=True)

@@ -36,6 +36,7 @@ class DGCCompressor(TopKCompressor):
     """
 
     name = "dgc"
+    max_samples = None  # the fraction asked for, however large the tensor
 
     def __init__(
         self, density: float = 0.001, sample_ratio: float = 0.01, min_samples: int = 1000, margin: float = 3.0

@@ -139,5 +139,6 @@ class GaussianKCompressor(TopKCompressor):
         if indices.numel() < LOWER * k:
             return self.exact_select(flat)
         if indices.numel() > k:
-            indices = indices[torch.topk(take(flat, indices, ascending=True).abs(), k, sorted=False).indices]
+            best = torch.topk(take(flat, indices, ascending=True).abs(), k, sorted=False).indices
+            indices = indices[best.sort().values]  # kept ascending (the wire, the memory and the pieces read them so)
         return indices

@@ -16,10 +16,17 @@ order. The bits are packed and unpacked with tensor operations, on the indices' 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
-__all__ = ["decode_indices", "encode_indices", "encoded_nbytes", "index_format", "low_bits"]
+__all__ = ["decode_indices", "encode_indices", "encoded_nbytes", "index_format", "is_ascending", "low_bits"]
+
+
+def is_ascending(indices: Tensor) -> bool:
+    """Whether the 1-D ``indices`` rise strictly (one comparison per index: far cheaper than sorting them again)."""
+    return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
 
 
 def low_bits(n: int, k: int) -> int:
@@ -80,16 +87,12 @@ def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tens
         return torch.empty(0, dtype=torch.uint8, device=device)
     indices = indices.reshape(-1).long()
     if kind == "bitmap":
-        bits = torch.zeros(_bytes(n) * 8, dtype=torch.bool, device=device)
-        bits[indices] = True
-        return _pack(bits)
+        return _set_bits(indices, _bytes(n))
     low = low_bits(n, slots)
-    lows = _pack(_bits_of(indices & ((1 << low) - 1), low)) if low else torch.empty(0, dtype=torch.uint8, device=device)
+    lows = _packed_values(indices & ((1 << low) - 1), low, _bytes(slots * low))
     # the i-th index's high part h_i is written as a one at h_i + i: the ones' positions rise by 1 + (h_{i+1} - h_i)
     ones = (indices >> low) + torch.arange(k, device=device)
-    highs = torch.zeros(_bytes(slots + _high_values(n, low)) * 8, dtype=torch.bool, device=device)
-    highs[ones] = True
-    encoded = torch.cat([_padded(lows, _bytes(slots * low)), _pack(highs)])
+    encoded = torch.cat([lows, _set_bits(ones, _bytes(slots + _high_values(n, low)))])
     assert encoded.numel() == size
     return encoded
 
@@ -108,65 +111,91 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
         return torch.empty(0, dtype=torch.long, device=device)
     check = device.type == "cpu"
     if kind == "bitmap":
-        bits = _unpack(buffer)[:n]
-        indices = _ones(bits, k, check)
+        indices = _set_positions(buffer, k, check)
     else:
         low = low_bits(n, slots)
         low_size = _bytes(slots * low)
-        bits = _unpack(buffer[low_size:])
-        ones = _ones(bits, k, check)
+        ones = _set_positions(buffer[low_size:], k, check)
         indices = (ones - torch.arange(k, device=device)) << low
         if low:
-            indices |= _value_of(_unpack(buffer[:low_size])[: k * low].reshape(-1, low))
+            indices |= _unpacked_values(buffer[:low_size], k, low)
     if check and k and int(indices[-1]) >= n:
         raise ValueError(f"an index {int(indices[-1])} is out of range for {n} elements")
     return indices
 
 
-def _ones(bits: Tensor, k: int, check: bool) -> Tensor:
-    """The positions of the ``k`` set bits (checking, when asked, that there are exactly ``k``)."""
-    if check and int(bits.sum()) != k:
-        raise ValueError(f"the index bytes hold {int(bits.sum())} indices, expected {k}")
-    return torch.nonzero_static(bits, size=k).reshape(-1)
+# The bits travel least significant first within each byte, bytes in order: the bit stream of little-endian
+# int64 words, which is how they are built and read, 64 bits at a time.
+_WORD = 64
 
 
-_BIT_WEIGHTS: dict[torch.device, Tensor] = {}
+def _set_bits(positions: Tensor, nbytes: int) -> Tensor:
+    """``nbytes`` bytes whose set bits are exactly the distinct ``positions`` (one scatter into 64-bit words: distinct
+    bits add without a carry, so the sum is their union)."""
+    words = torch.zeros(-(-nbytes // 8), dtype=torch.long, device=positions.device)
+    words.index_add_(0, positions >> 6, torch.ones_like(positions) << (positions & (_WORD - 1)))
+    return _bytes_of(words)[:nbytes]
 
 
-def _weights(device: torch.device) -> Tensor:
-    weights = _BIT_WEIGHTS.get(device)
-    if weights is None:
-        weights = _BIT_WEIGHTS[device] = (1 << torch.arange(8, device=device)).to(torch.uint8)
-    return weights
+def _set_positions(buffer: Tensor, k: int, check: bool) -> Tensor:
+    """The ascending positions of the ``k`` set bits of ``buffer`` (checking, when asked, that there are exactly
+    ``k``): per byte its count of ones (a table), then each one's bit from a table of the byte's set bits."""
+    counts, bits = _byte_tables(buffer.device)
+    values = buffer.long()
+    per_byte = counts.index_select(0, values)
+    if check and int(per_byte.sum()) != k:
+        raise ValueError(f"the index bytes hold {int(per_byte.sum())} indices, expected {k}")
+    byte = torch.repeat_interleave(torch.arange(buffer.numel(), device=buffer.device), per_byte, output_size=k)
+    first = per_byte.cumsum(0) - per_byte  # ones before each byte
+    rank = torch.arange(k, device=buffer.device) - first.index_select(0, byte)
+    return byte * 8 + bits.view(-1).index_select(0, values.index_select(0, byte) * 8 + rank)
 
 
-def _bits_of(values: Tensor, width: int) -> Tensor:
-    """The ``width`` low bits of each value, least significant first, as one flat bool tensor (a bit column at a
-    time: ``k * width`` bytes, no int64 matrix)."""
-    bits = torch.empty(values.numel(), width, dtype=torch.bool, device=values.device)
-    for b in range(width):
-        bits[:, b] = (values >> b) & 1
-    return bits.reshape(-1)
+def _packed_values(values: Tensor, width: int, nbytes: int) -> Tensor:
+    """The ``width`` low bits of each of ``values`` (non-negative), back to back, in ``nbytes`` bytes: each value
+    added into the word its first bit falls in, and what spills past bit 63 into the next word."""
+    words = torch.zeros(-(-nbytes // 8) + 1, dtype=torch.long, device=values.device)
+    if width and values.numel():
+        start = torch.arange(values.numel(), device=values.device) * width
+        word, shift = start >> 6, start & (_WORD - 1)
+        words.index_add_(0, word, values << shift)  # bits past 63 drop out here...
+        words.index_add_(0, word + 1, values >> (_WORD - shift))  # ...and land here (a shift by 64 gives 0)
+    return _bytes_of(words)[:nbytes]
 
 
-def _value_of(bits: Tensor) -> Tensor:
-    """Rows of bits (least significant first) back to int64 values."""
-    value = torch.zeros(bits.shape[0], dtype=torch.long, device=bits.device)
-    for b in range(bits.shape[1]):
-        value |= bits[:, b].long() << b
-    return value
+def _unpacked_values(buffer: Tensor, count: int, width: int) -> Tensor:
+    """:func:`_packed_values`' ``count`` values of ``width`` bits from ``buffer``."""
+    words = _words_of(buffer, extra=1)
+    start = torch.arange(count, device=buffer.device) * width
+    word, shift = start >> 6, start & (_WORD - 1)
+    below = (words.index_select(0, word) >> shift) & ((1 << (_WORD - shift)) - 1)  # logical: no sign bit copies
+    above = words.index_select(0, word + 1) << (_WORD - shift)  # the next word's spill (shift 0: 64 shifts to 0)
+    return (below | above) & ((1 << width) - 1)
 
 
-def _pack(bits: Tensor) -> Tensor:
-    """Flat bools, 8 to a byte (least significant bit first), zero-padded to whole bytes."""
-    padded = _padded(bits, _bytes(bits.numel()) * 8).reshape(-1, 8)
-    return (padded.to(torch.uint8) * _weights(bits.device)).sum(dim=1, dtype=torch.uint8)
+def _bytes_of(words: Tensor) -> Tensor:
+    """The words' bytes in bit-stream order (little-endian words as they lie in memory)."""
+    raw = words.view(torch.uint8)
+    return raw if sys.byteorder == "little" else raw.view(-1, 8).flip(1).reshape(-1)
 
 
-def _unpack(buffer: Tensor) -> Tensor:
-    """Bytes back to flat bools, least significant bit first."""
-    return (buffer.unsqueeze(1) & _weights(buffer.device)).bool().reshape(-1)
+def _words_of(buffer: Tensor, extra: int = 0) -> Tensor:
+    """The bytes as int64 words of the bit stream, zero-padded to whole words and ``extra`` more."""
+    padded = torch.zeros((-(-buffer.numel() // 8) + extra) * 8, dtype=torch.uint8, device=buffer.device)
+    padded[: buffer.numel()] = buffer
+    if sys.byteorder != "little":
+        padded = padded.view(-1, 8).flip(1).reshape(-1)
+    return padded.view(torch.long)
 
 
-def _padded(t: Tensor, length: int) -> Tensor:
-    return torch.cat([t, t.new_zeros(length - t.numel())]) if t.numel() < length else t
+_BYTE_TABLES: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def _byte_tables(device: torch.device) -> tuple[Tensor, Tensor]:
+    """For every byte value: how many bits are set, and their positions (ascending, padded with 0)."""
+    tables = _BYTE_TABLES.get(device)
+    if tables is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        order = torch.argsort(1 - bits, dim=1, stable=True)  # the set bits first, in ascending order
+        tables = _BYTE_TABLES[device] = (bits.sum(1).to(device), order.to(device))
+    return tables

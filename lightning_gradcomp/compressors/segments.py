@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.blocks import BlockPeaks, MagnitudeBlocks, at_least
+from lightning_gradcomp.compressors.indices import is_ascending
 
 __all__ = ["PieceBlocks", "Segments", "at_least_in", "largest", "magnitude_blocks", "pieces", "take"]
 
@@ -57,10 +58,11 @@ class Segments:
         return sum(self.numels)
 
     def _routes(self, indices: Tensor, ascending: bool = False) -> list[tuple[slice | Tensor, Tensor, Tensor]]:
-        """Per part: (its positions in ``indices``, the local indices there, the part). Ascending ``indices`` are
-        cut into runs by one binary search per part; others are sorted out by part with a mask each."""
+        """Per part: (its positions in ``indices``, the local indices there, the part). Ascending ``indices`` (said
+        so, or found so: decoded payloads and Top-k's selections are) are cut into runs by one binary search per
+        part; others are sorted out by part with a mask each."""
         routes: list[tuple[slice | Tensor, Tensor, Tensor]] = []
-        if ascending:
+        if ascending or is_ascending(indices):
             edges = [0, *torch.searchsorted(indices, self._bounds).tolist(), indices.numel()]
             for part, start, lo, hi in zip(self.parts, self.starts, edges[:-1], edges[1:], strict=True):
                 if hi > lo:
@@ -77,7 +79,10 @@ class Segments:
         """The entries at the flat ``indices`` (repeats allowed; ``ascending`` when they are sorted), in that order."""
         out = torch.empty(indices.numel(), dtype=self.dtype, device=self.device)
         for positions, local, part in self._routes(indices.reshape(-1), ascending):
-            out[positions] = part[local]
+            if isinstance(positions, slice):  # a run: gathered straight into its place
+                torch.index_select(part, 0, local, out=out[positions])
+            else:
+                out[positions] = part.index_select(0, local)
         return out
 
     def index_add_(self, dim: int, indices: Tensor, values: Tensor, alpha: float = 1.0) -> Segments:

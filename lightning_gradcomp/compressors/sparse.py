@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Entries, Payload, all_finite
-from lightning_gradcomp.compressors.indices import decode_indices, encode_indices, encoded_nbytes
+from lightning_gradcomp.compressors.indices import decode_indices, encode_indices, encoded_nbytes, is_ascending
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 
 #: The count that starts a sparse payload's wire form (int64: a unit of any size).
@@ -78,8 +79,10 @@ class SparsePayload(Payload):
     def to_bytes(self) -> Tensor:
         if self.slots is not None and self.k > self.slots:
             raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
-        indices, order = torch.sort(self.indices.reshape(-1).long())
-        values = self.values.reshape(-1)[order]
+        indices, values = self.indices.reshape(-1).long(), self.values.reshape(-1)
+        if not is_ascending(indices):  # Top-k sends them in order already
+            indices, order = torch.sort(indices)
+            values = values[order]
         count = torch.tensor([self.k], dtype=COUNT_DTYPE, device=self.values.device)
         encoded = encode_indices(indices, self.numel, self.slots)
         padding = 0 if self.slots is None else self.slots - self.k
@@ -146,11 +149,17 @@ class SparseEntries:
         """The entries of each consecutive slice of ``numels`` elements, with indices local to the slice."""
         if len(numels) == 1:
             return [self]
-        parts, start = [], 0
-        for n in numels:
+        starts = [0, *accumulate(numels)]
+        if is_ascending(self.indices):  # each slice's entries are one run: cut it by binary search
+            edges = torch.searchsorted(self.indices, torch.tensor(starts, device=self.indices.device)).tolist()
+            return [
+                SparseEntries(self.indices[lo:hi] - start, self.values[lo:hi], n)
+                for start, n, lo, hi in zip(starts[:-1], numels, edges[:-1], edges[1:], strict=True)
+            ]
+        parts = []
+        for start, n in zip(starts[:-1], numels, strict=True):
             inside = (self.indices >= start) & (self.indices < start + n)
             parts.append(SparseEntries(self.indices[inside] - start, self.values[inside], n))
-            start += n
         return parts
 
 

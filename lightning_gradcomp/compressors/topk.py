@@ -49,13 +49,18 @@ class TopKCompressor(FixedKSparsifier):
     sample_ratio: float = 0.01
     min_samples: int = 1000
     margin: float = 3.0
+    #: the largest sample (``None``: ``sample_ratio`` of any tensor). 65536 samples place the threshold
+    #: within 3 standard deviations of ``k`` for ``k * 65536 / d >= 100``: past that, a larger sample
+    #: only costs time (the candidates' pass is the same, their Top-k about 10% smaller at density 0.01)
+    max_samples: int | None = 1 << 16
 
     def __init__(self, density: float = 0.001) -> None:
         self.density = check_density("density", density)
 
     def sample_size(self, numel: int) -> int:
         """Entries sampled from a tensor of ``numel`` entries (``>= numel`` means: ``torch.topk`` instead)."""
-        return max(self.min_samples, math.ceil(self.sample_ratio * numel))
+        wanted = math.ceil(self.sample_ratio * numel)
+        return max(self.min_samples, wanted if self.max_samples is None else min(wanted, self.max_samples))
 
     def sample_threshold(self, flat: Tensor | Segments, generator: torch.Generator | None = None) -> float | None:
         """The candidate threshold from a random sample of ``|flat|``; ``None`` if the sample would be the whole tensor.
@@ -96,7 +101,7 @@ class TopKCompressor(FixedKSparsifier):
         if candidates.numel() < k:
             return self.exact_select(flat)
         best = torch.topk(take(flat, candidates, ascending=True).abs(), k, sorted=False).indices
-        return candidates[best]
+        return candidates[best.sort().values]  # ascending, as the wire, the memory and the pieces read them fastest
 
     def compress(
         self, x: Tensor | Segments, generator: torch.Generator | None = None, scale: Tensor | None = None
