@@ -9,7 +9,7 @@ from lightning_gradcomp.compressors import blocks as blocks_module
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
 from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
-from lightning_gradcomp.compressors.topk import k_for
+from lightning_gradcomp.compressors.topk import ascending_top_k, k_for
 
 D = 200_000
 
@@ -247,7 +247,35 @@ def test_dgc_rejects_bad_arguments(kwargs: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize("fraction", [0.0001, 0.001, 0.01, 0.5, 1.0])
-def test_at_least_finds_exactly_the_entries_at_or_above_a_threshold_whichever_way_it_takes(fraction: float) -> None:
-    x = torch.randn(200_003, generator=torch.Generator().manual_seed(3))
-    thr = float(torch.quantile(x[:100_000].abs(), 1 - fraction)) if fraction < 1 else 0.0
-    assert torch.equal(blocks_module.at_least(x, thr, fraction), torch.nonzero(x.abs() >= thr).reshape(-1))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_above_finds_exactly_the_entries_beyond_a_threshold_whichever_way_it_takes(
+    fraction: float, dtype: torch.dtype
+) -> None:
+    # 2.3 chunks of the streamed pass; values equal to the threshold, zeros and negative zeros test both comparisons
+    x = torch.randn(int(2.3 * blocks_module.STREAM_CHUNK), generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[:64] = 0.0
+    x[64:128] = -0.0
+    thr = float(torch.quantile(x[:100_000].float().abs(), 1 - fraction).to(dtype)) if fraction < 1 else 0.0
+    x[200:230] = -thr
+    magnitudes = x.abs()
+    for inclusive in (False, True):
+        expected = torch.nonzero(magnitudes >= thr if inclusive else magnitudes > thr).reshape(-1)
+        assert torch.equal(blocks_module.above(x, thr, fraction, inclusive), expected), inclusive
+        assert torch.equal(blocks_module.streamed_above(x, thr, inclusive), expected), inclusive
+    assert torch.equal(blocks_module.at_least(x, thr, fraction), torch.nonzero(magnitudes >= thr).reshape(-1))
+    assert torch.equal(blocks_module.streamed_above(x, -1.0), torch.arange(x.numel()))
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 500, 999, 1000, 1200])
+def test_ascending_top_k_keeps_the_k_largest_in_order_ties_included(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    magnitudes = torch.randint(0, 40, (1000,), generator=gen).float()  # many ties at every cut
+    got = ascending_top_k(magnitudes, k)
+    assert got.numel() == min(k, 1000) and bool((got[1:] > got[:-1]).all())
+    expected = torch.topk(magnitudes, min(k, 1000)).values
+    assert torch.equal(magnitudes[got].sort(descending=True).values, expected)  # the same multiset of magnitudes
+    with_nan = magnitudes.clone()
+    with_nan[3] = float("nan")
+    if 0 < k < 1000:  # a NaN ranks first, as torch.topk ranks it
+        nan_kept = ascending_top_k(with_nan, k)
+        assert 3 in nan_kept.tolist() and nan_kept.numel() == k and bool((nan_kept[1:] > nan_kept[:-1]).all())

@@ -114,10 +114,21 @@ class MagnitudeBlocks(BlockPeaks):
         return indices
 
 
-def at_least(flat: Tensor, thr: float, fraction: float, block: int = 64) -> Tensor:
-    """Ascending indices of the entries with ``|x| >= thr``, where about ``fraction`` of them are expected to be:
-    through block maxima when few blocks would pass, else by one streamed pass (no block maxima to build)."""
+def streams(fraction: float, block: int = 64) -> bool:
+    """Whether finding entries above a threshold that about ``fraction`` of them pass takes one streamed pass
+    rather than block maxima: once more than one block in :data:`STREAM_FRACTION` would hold one."""
     passing = 1.0 - (1.0 - min(max(fraction, 0.0), 1.0)) ** block  # blocks holding at least one such entry
-    if passing * STREAM_FRACTION > 1.0:
-        return streamed_above(flat, thr, inclusive=True)
-    return MagnitudeBlocks(flat, block).above(thr, inclusive=True)
+    return passing * STREAM_FRACTION > 1.0
+
+
+def above(flat: Tensor, thr: float, fraction: float, inclusive: bool = False, block: int = 64) -> Tensor:
+    """Ascending indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``), where about ``fraction`` of
+    them are expected to be: by one streamed pass when :func:`streams` says so, else through block maxima."""
+    if streams(fraction, block):
+        return streamed_above(flat, thr, inclusive)
+    return MagnitudeBlocks(flat, block).above(thr, inclusive)
+
+
+def at_least(flat: Tensor, thr: float, fraction: float, block: int = 64) -> Tensor:
+    """Ascending indices of the entries with ``|x| >= thr``: :func:`above`, inclusive."""
+    return above(flat, thr, fraction, inclusive=True, block=block)

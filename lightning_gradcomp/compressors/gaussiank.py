@@ -21,9 +21,10 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.segments import Segments, magnitude_blocks, take
+from lightning_gradcomp.compressors.blocks import streams
+from lightning_gradcomp.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
-from lightning_gradcomp.compressors.topk import TopKCompressor, k_for
+from lightning_gradcomp.compressors.topk import TopKCompressor, ascending_top_k, k_for
 from lightning_gradcomp.validation import check_int
 
 #: The count lands in ``[LOWER * k, k]``: a threshold that keeps too few is lowered by ``SHRINK``.
@@ -106,9 +107,13 @@ class GaussianKCompressor(TopKCompressor):
     def threshold(self, x: Tensor | Segments) -> float:
         """The initial threshold ``|mu| + Phi^-1(1 - rho/2) * sigma`` of the flat tensor ``x`` (0 for an empty one);
         pieces are reduced one by one and their sums added."""
+        return self._moments(x)[0]
+
+    def _moments(self, x: Tensor | Segments) -> tuple[float, bool]:
+        """:meth:`threshold`, and whether ``x`` is all zeros."""
         d = x.numel()
         if d == 0:
-            return 0.0
+            return 0.0, True
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         parts = x.parts if isinstance(x, Segments) else [x]
         total = sum(float(torch.sum(part, dtype=acc_dtype)) for part in parts)
@@ -117,28 +122,34 @@ class GaussianKCompressor(TopKCompressor):
         sigma = math.sqrt(max(sumsq / d - mu * mu, 0.0))
         # read at every call: a density schedule may change ``self.density`` between epochs
         z = normal_quantile(1.0 - self.density / 2.0) if self.density < 1.0 else 0.0
-        return abs(mu) + z * sigma
+        # a sum of squares of 0 may have underflowed: only then are the entries counted
+        return abs(mu) + z * sigma, sumsq == 0.0 and not any(bool(part.count_nonzero()) for part in parts)
 
     def select_k(self, flat: Tensor | Segments, k: int, generator: torch.Generator | None = None) -> Tensor:
-        """Indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class."""
-        thr = self.threshold(flat)
+        """Ascending indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class."""
+        thr, zero = self._moments(flat)
         if not math.isfinite(thr):
             return self.exact_select(flat)
-        blocks = magnitude_blocks(flat)
-        if blocks.peak() == 0.0:
+        if zero:
             return torch.empty(0, dtype=torch.long, device=flat.device)
-        indices = blocks.above(thr)
+        # block maxima pay off when few blocks hold a candidate (low densities); else each try is one streamed pass
+        # and the maxima are only built if a refinement needs their floor
+        blocks = None if streams(self.density) else magnitude_blocks(flat)
+
+        def find(thr: float, inclusive: bool = False) -> Tensor:
+            return blocks.above(thr, inclusive) if blocks is not None else above_in(flat, thr, 1.0, inclusive)
+
+        indices = find(thr)
         floor = None
         for _ in range(self.refinements):
             if indices.numel() >= LOWER * k:
                 break
             if floor is None:  # the k-th largest block maximum: at least k entries reach it
-                floor = blocks.kth_peak(k)
+                floor = (blocks if blocks is not None else magnitude_blocks(flat)).kth_peak(k)
             thr = max(thr * SHRINK, floor)
-            indices = blocks.above(thr, inclusive=thr == floor)
+            indices = find(thr, inclusive=thr == floor)
         if indices.numel() < LOWER * k:
             return self.exact_select(flat)
         if indices.numel() > k:
-            best = torch.topk(take(flat, indices, ascending=True).abs(), k, sorted=False).indices
-            indices = indices[best.sort().values]  # kept ascending (the wire, the memory and the pieces read them so)
+            indices = indices[ascending_top_k(take(flat, indices, ascending=True).abs(), k)]
         return indices

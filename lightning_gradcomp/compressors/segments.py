@@ -17,10 +17,20 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.blocks import BlockPeaks, MagnitudeBlocks, at_least
+from lightning_gradcomp.compressors.blocks import BlockPeaks, MagnitudeBlocks, above
 from lightning_gradcomp.compressors.indices import is_ascending
 
-__all__ = ["PieceBlocks", "Segments", "at_least_in", "largest", "magnitude_blocks", "pieces", "take"]
+__all__ = [
+    "PieceBlocks",
+    "Segments",
+    "above_in",
+    "adjoining",
+    "at_least_in",
+    "largest",
+    "magnitude_blocks",
+    "pieces",
+    "take",
+]
 
 
 class Segments:
@@ -164,13 +174,18 @@ def largest(x: Tensor | Segments, k: int) -> Tensor:
     return torch.topk(x.abs(), k, sorted=False).indices
 
 
-def at_least_in(x: Tensor | Segments, thr: float, fraction: float) -> Tensor:
-    """Ascending flat indices of the entries with ``|x| >= thr`` (:func:`~.blocks.at_least` part by part): the same
-    indices, in the same order, as on the concatenated tensor."""
+def above_in(x: Tensor | Segments, thr: float, fraction: float, inclusive: bool = False) -> Tensor:
+    """Ascending flat indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``; :func:`~.blocks.above`
+    part by part): the same indices, in the same order, as on the concatenated tensor."""
     if not isinstance(x, Segments):
-        return at_least(x, thr, fraction)
-    found = [at_least(part, thr, fraction).add_(start) for part, start in zip(x.parts, x.starts, strict=True)]
+        return above(x, thr, fraction, inclusive)
+    found = [above(part, thr, fraction, inclusive).add_(start) for part, start in zip(x.parts, x.starts, strict=True)]
     return torch.cat(found)
+
+
+def at_least_in(x: Tensor | Segments, thr: float, fraction: float) -> Tensor:
+    """Ascending flat indices of the entries with ``|x| >= thr``: :func:`above_in`, inclusive."""
+    return above_in(x, thr, fraction, inclusive=True)
 
 
 class PieceBlocks(BlockPeaks):
