@@ -1,14 +1,21 @@
-"""The kernel-level costs behind issue 32's changes, on one CPU thread: why the hook keeps its buffers and streams.
+"""The kernel-level costs behind issue 32's changes: why the hook keeps its buffers, streams and selects as it does.
 
-Each line times two ways of doing the same thing on a 25M-element tensor (the 25.2M MLP's gradient) or a
-4096 x 4096 layer (its largest), best of ``--repeats``:
+Each line times two ways of doing the same thing on a 25M-element tensor (the 25.2M MLP's gradient), a
+4096 x 4096 layer (its largest) or one of its layers' gradients, best of ``--repeats``, on one CPU thread
+(or ``--device cuda``):
 
 * a multiply into a fresh tensor against the same multiply into a kept one (page faults of a new
   allocation against the arithmetic);
 * PowerSGD's second product ``M^T P`` computed as written against ``(P^T M)^T``;
-* Top-k's candidates ``|x| >= thr`` at density 0.01 through per-block maxima against one streamed pass.
+* Top-k's candidates ``|x| >= thr`` at density 0.01 through per-block maxima against one streamed pass,
+  and the streamed pass's test on one chunk: ``abs`` then ``>=`` against ``hardshrink`` then a cast;
+* the fp16 wire's summand ``x / P`` rounded to float16: one mixed-dtype multiply against ``scaled_cast``;
+* the ``k`` largest of the candidates (``k`` = 250,000 of 280,000): ``torch.topk`` and a sort against
+  ``ascending_top_k``'s ``kthvalue``;
+* ATOMO's atoms of a 512 x 3072 gradient of rank 32 (a linear layer's, batch 32): the exact decomposition
+  against the sketched one.
 
-    python benchmarks/kernels.py
+    python benchmarks/kernels.py [--device cuda]
 """
 
 from __future__ import annotations
@@ -20,17 +27,28 @@ from collections.abc import Callable
 import torch
 
 from lightning_gradcomp.compressors import blocks
+from lightning_gradcomp.compressors.atomo import AtomoCompressor
+from lightning_gradcomp.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks, streamed_above
-from lightning_gradcomp.compressors.topk import TopKCompressor
+from lightning_gradcomp.compressors.precision import scaled_cast
+from lightning_gradcomp.compressors.spectral import spectral_decomposition
+from lightning_gradcomp.compressors.topk import TopKCompressor, ascending_top_k
 
 
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` calls after one untimed call, in milliseconds."""
+def best_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The fastest of ``repeats`` calls after one untimed call, in milliseconds (the device synchronized)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return 1e3 * min(times)
 
@@ -49,15 +67,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(args.numel, generator=generator)
+    x = torch.randn(args.numel, generator=generator).to(device)
     kept = torch.empty_like(x)
-    matrix = torch.randn(4096, 4096, generator=generator)
-    p = torch.randn(4096, 4, generator=generator)
-    thr = TopKCompressor(0.01).sample_threshold(x, generator)
+    half = torch.empty_like(x, dtype=torch.float16)
+    matrix = torch.randn(4096, 4096, generator=generator).to(device)
+    p = torch.randn(4096, 4, generator=generator).to(device)
+    thr = TopKCompressor(0.01).sample_threshold(x.cpu(), generator)
     assert thr is not None
+    chunk, shrunk = x[:STREAM_CHUNK], torch.empty(STREAM_CHUNK, device=device)
+    mask = torch.empty(STREAM_CHUNK, dtype=torch.bool, device=device)
+    candidates = torch.rand(280_000, generator=generator).to(device)
+    layer = (torch.randn(512, 32, generator=generator) @ torch.randn(32, 3072, generator=generator)).to(device)
+    atomo = AtomoCompressor(3)
     pairs = [
         (
             f"multiply {args.numel} floats",
@@ -72,13 +98,34 @@ def main() -> None:
         (
             "Top-k candidates |x| >= thr at density 0.01",
             ("block maxima, blocks copied out", lambda: blocks_copied_out(x, thr)),
-            ("one streamed pass", lambda: streamed_above(x, thr, torch.ge)),
+            ("one streamed pass", lambda: streamed_above(x, thr, inclusive=True)),
+        ),
+        (
+            f"the candidates' test on one chunk of {STREAM_CHUNK}",
+            ("abs, then >=", lambda: torch.ge(torch.abs(chunk, out=shrunk), thr, out=mask)),
+            ("hardshrink, then a cast", lambda: mask.copy_(torch.ops.aten.hardshrink.out(chunk, thr, out=shrunk))),
+        ),
+        (
+            f"x / 2 rounded to float16, {args.numel} floats",
+            ("one mixed-dtype multiply", lambda: torch.mul(x, 0.5, out=half)),
+            ("scaled_cast", lambda: scaled_cast(x, 0.5, half)),
+        ),
+        (
+            "the 250,000 largest of 280,000 candidates, ascending",
+            ("torch.topk, then a sort", lambda: torch.topk(candidates, 250_000, sorted=False).indices.sort()),
+            ("ascending_top_k (kthvalue)", lambda: ascending_top_k(candidates, 250_000)),
+        ),
+        (
+            "ATOMO's atoms of a 512 x 3072 gradient of rank 32",
+            ("exact (Gram eigh)", lambda: spectral_decomposition(layer)),
+            ("sketched (rank 32)", lambda: atomo.decompose(layer)),
         ),
     ]
-    print(f"one thread, best of {args.repeats} (ms)")
+    where = "one CPU thread" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"{where}, best of {args.repeats} (ms)")
     for what, (slow_name, slow), (fast_name, fast) in pairs:
-        slow_ms, fast_ms = best_ms(slow, args.repeats), best_ms(fast, args.repeats)
-        print(f"{what}: {slow_name} {slow_ms:.1f}, {fast_name} {fast_ms:.1f} ({slow_ms / fast_ms:.1f}x)")
+        slow_ms, fast_ms = best_ms(slow, args.repeats, device), best_ms(fast, args.repeats, device)
+        print(f"{what}: {slow_name} {slow_ms:.2f}, {fast_name} {fast_ms:.2f} ({slow_ms / fast_ms:.1f}x)")
 
 
 if __name__ == "__main__":

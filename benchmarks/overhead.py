@@ -16,6 +16,7 @@ methods before it is handed back to the system first, ``malloc_trim``).
     python benchmarks/overhead.py --model mlp --model resnet20 --json benchmarks/results/overhead.json
     python benchmarks/overhead.py --model mlp25m --steps 5 --repeats 1
     python benchmarks/overhead.py --model mlp25m --isolate --methods ddp,ddp_topk   # peak memory, a process pair each
+    python benchmarks/overhead.py --model mlp25m --interleave --repeats 5   # time ratios, every method in turns
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,11 +67,18 @@ def _kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
-def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: int) -> dict:
+@dataclass
+class _Trial:
+    """One method's DDP on one model, warmed up and ready to step; ``best`` is its fastest timed run (s/step)."""
+
+    method: str
+    hook: object
+    step: Callable[[], None]
+    best: float = float("inf")
+
+
+def _prepare(method: str, model_name: str, args: argparse.Namespace, rank: int) -> _Trial:
     build, shape, classes, batch = MODELS[model_name]
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return what earlier methods freed to the system...
-    Path("/proc/self/clear_refs").write_text("5")  # ...and count this method's peak only
     torch.manual_seed(0)
     model = build()
     ddp = DistributedDataParallel(model)
@@ -86,15 +96,22 @@ def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: in
 
     for _ in range(args.warmup):
         step()
-    best = float("inf")
-    for _ in range(args.repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        dist.barrier()
-        best = min(best, (time.perf_counter() - start) / args.steps)
-    row = {"method": method, "ms_per_step": 1e3 * best, "peak_rss_mib": _kib("VmHWM") / 1024}
+    return _Trial(method, hook, step)
+
+
+def _time(trial: _Trial, steps: int) -> None:
+    """Time ``steps`` steps between barriers (every rank starts and ends together) and keep the best."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trial.step()
+    dist.barrier()
+    trial.best = min(trial.best, (time.perf_counter() - start) / steps)
+
+
+def _row(trial: _Trial, args: argparse.Namespace, peak_rss_mib: float | None) -> dict:
+    row = {"method": trial.method, "ms_per_step": 1e3 * trial.best, "peak_rss_mib": peak_rss_mib}
+    hook = trial.hook
     if hook is not None:
         timed = [s for s in hook.history if not s.warmup][-args.steps * args.repeats :]
         for part in ("compress", "communicate", "decompress"):
@@ -108,18 +125,42 @@ def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: in
     return row
 
 
+def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: int) -> dict:
+    """One method alone: its timed runs back to back, and the peak RSS it reached."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return what earlier methods freed to the system...
+    Path("/proc/self/clear_refs").write_text("5")  # ...and count this method's peak only
+    trial = _prepare(method, model_name, args, rank)
+    for _ in range(args.repeats):
+        _time(trial, args.steps)
+    return _row(trial, args, _kib("VmHWM") / 1024)
+
+
+def _run_interleaved(methods: list[str], model_name: str, args: argparse.Namespace, rank: int) -> list[dict]:
+    """Every method at once, timed in turns (one run of each per repeat): a slow spell of the machine falls on
+    every method alike, so the ratios hold within the launch. Peak memory then belongs to no one method."""
+    trials = [_prepare(method, model_name, args, rank) for method in methods]
+    for _ in range(args.repeats):
+        for trial in trials:
+            _time(trial, args.steps)
+    return [_row(trial, args, None) for trial in trials]
+
+
 def _worker(rank: int, world: int, args: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
     )
     results = {}
+    methods = args.methods.split(",")
     for model_name in args.model:
-        rows = []
-        for method in args.methods.split(","):
-            rows.append(_run_method(method, model_name, args, rank))
-            if rank == 0:
-                print(f"{model_name} {method}: {rows[-1]['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+        if args.interleave:
+            rows = _run_interleaved(methods, model_name, args, rank)
+        else:
+            rows = [_run_method(method, model_name, args, rank) for method in methods]
+        if rank == 0:
+            for row in rows:
+                print(f"{model_name} {row['method']}: {row['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
         results[model_name] = rows
     torch.save(results, Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
@@ -135,7 +176,10 @@ def _table(model_name: str, ranks: list[list[dict]]) -> str:
         f"{'collectives':>13}{'state':>8}{'buffers':>9}{'peak RSS':>18}",
     ]
     for i, r in enumerate(rows):
-        peaks = "/".join(f"{rank_rows[i]['peak_rss_mib']:.0f}" for rank_rows in ranks)
+        peaks = "/".join(
+            f"{rank_rows[i]['peak_rss_mib']:.0f}" if rank_rows[i]["peak_rss_mib"] is not None else "-"
+            for rank_rows in ranks
+        )
         parts = "".join(f"{r[p]:>{w}.1f}" if p in r else f"{'':>{w}}" for p, w in
                         (("compress", 10), ("communicate", 13), ("decompress", 12), ("collectives", 13),
                          ("state_mib", 8), ("buffers_mib", 9)))  # fmt: skip
@@ -156,8 +200,16 @@ def main() -> None:
         action="store_true",
         help="one fresh process pair per method: its peak RSS owes nothing to what earlier methods allocated",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every method's model at once, timed in turns: ratios that a slow spell of the machine cannot bend "
+        "(no peak RSS per method)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.interleave and args.isolate:
+        parser.error("--interleave times every method in one launch; --isolate gives each its own")
     args.model = args.model or ["mlp"]
     os.environ.update(OMP_NUM_THREADS="1")
     launches = [[method] for method in args.methods.split(",")] if args.isolate else [args.methods.split(",")]

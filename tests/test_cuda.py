@@ -1,0 +1,86 @@
+"""The codec kernels on a CUDA device give what they give on the CPU (skipped where no GPU is present).
+
+Run with ``pytest -m cuda`` on a machine with a GPU. Each test computes the same thing on the CPU and on the
+device and compares them bit for bit where the arithmetic is the same (selections, integer codes, casts),
+else within the working precision that the stated cause (another summation order in a matrix product)
+explains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.comm.gtopk import SparseSet, merge
+from lightning_gradcomp.compressors.atomo import AtomoCompressor
+from lightning_gradcomp.compressors.blocks import streamed_above
+from lightning_gradcomp.compressors.indices import decode_indices, encode_indices
+from lightning_gradcomp.compressors.precision import scaled_cast
+from lightning_gradcomp.compressors.topk import TopKCompressor, ascending_top_k
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inclusive", [False, True])
+def test_streamed_candidates_are_the_cpus(dtype: torch.dtype, inclusive: bool) -> None:
+    x = torch.randn(3_000_001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    thr = float(x.abs()[17])
+    assert torch.equal(streamed_above(x.to(CUDA), thr, inclusive).cpu(), streamed_above(x, thr, inclusive))
+
+
+@pytest.mark.parametrize("k", [1, 250, 999])
+def test_ascending_top_k_is_the_cpus_ties_included(k: int) -> None:
+    magnitudes = torch.randint(0, 30, (1000,), generator=torch.Generator().manual_seed(k)).float()
+    assert torch.equal(ascending_top_k(magnitudes.to(CUDA), k).cpu(), ascending_top_k(magnitudes, k))
+
+
+def test_top_k_selects_the_cpus_entries_from_a_device_generator() -> None:
+    x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
+    codec = TopKCompressor(0.01)
+    on_device = codec.compress(x.to(CUDA), torch.Generator(device=CUDA).manual_seed(2))
+    on_cpu = codec.compress(x, torch.Generator().manual_seed(2))
+    assert torch.equal(on_device.indices.cpu(), on_cpu.indices)
+    assert torch.equal(on_device.to_bytes().cpu(), on_cpu.to_bytes())
+
+
+@pytest.mark.parametrize(("n", "k", "capacity"), [(25_000_000, 250_000, None), (1000, 600, None), (10**6, 5000, 8000)])
+def test_index_bytes_are_the_cpus(n: int, k: int, capacity: int | None) -> None:
+    indices = torch.randperm(n, generator=torch.Generator().manual_seed(3))[:k].sort().values
+    encoded = encode_indices(indices.to(CUDA), n, capacity)
+    assert torch.equal(encoded.cpu(), encode_indices(indices, n, capacity))
+    assert torch.equal(decode_indices(encoded, n, k, capacity).cpu(), indices)
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+def test_the_scaled_cast_is_the_cpus(wire: torch.dtype) -> None:
+    x = torch.randn(3_000_000, generator=torch.Generator().manual_seed(4)) * 3e4
+    on_device = scaled_cast(x.to(CUDA), 0.5, torch.empty(x.numel(), dtype=wire, device=CUDA))
+    assert torch.equal(on_device.cpu(), scaled_cast(x, 0.5, torch.empty(x.numel(), dtype=wire)))
+
+
+def test_gtopk_merge_is_the_cpus() -> None:
+    gen = torch.Generator().manual_seed(5)
+    a = SparseSet(torch.randperm(10**6, generator=gen)[:20_000].sort().values, torch.randn(20_000, generator=gen))
+    b = SparseSet(torch.randperm(10**6, generator=gen)[:20_000].sort().values, torch.randn(20_000, generator=gen))
+    merged = merge(
+        SparseSet(a.indices.to(CUDA), a.values.to(CUDA)), SparseSet(b.indices.to(CUDA), b.values.to(CUDA)), 20_000
+    )
+    expected = merge(a, b, 20_000)
+    assert torch.equal(merged.indices.cpu(), expected.indices) and torch.equal(merged.values.cpu(), expected.values)
+
+
+def test_sketched_atoms_sum_to_the_gradient_on_the_device() -> None:
+    gen = torch.Generator().manual_seed(6)
+    layer = (torch.randn(512, 20, generator=gen) @ torch.randn(20, 3072, generator=gen)).to(CUDA)
+    u, sigma, vh = AtomoCompressor(3).decompose(layer)
+    eps = torch.finfo(torch.float32).eps
+    assert float((u @ torch.diag(sigma) @ vh - layer).norm() / layer.norm()) < 100 * eps
+    assert float((u.T @ u - torch.eye(512, device=CUDA)).abs().max()) < 100 * eps
+    exact = torch.linalg.svdvals(layer.double())
+    assert float(sigma.double().sum()) <= 1.05 * float(exact.sum())
