@@ -8,7 +8,7 @@ import torch
 from lightning_gradcomp.compressors import blocks as blocks_module
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
 from lightning_gradcomp.compressors.dgc import DGCCompressor
-from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
+from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor, normal_quantile, refitted
 from lightning_gradcomp.compressors.topk import ascending_top_k, k_for
 
 D = 200_000
@@ -279,3 +279,13 @@ def test_ascending_top_k_keeps_the_k_largest_in_order_ties_included(k: int) -> N
     if 0 < k < 1000:  # a NaN ranks first, as torch.topk ranks it
         nan_kept = ascending_top_k(with_nan, k)
         assert 3 in nan_kept.tolist() and nan_kept.numel() == k and bool((nan_kept[1:] > nan_kept[:-1]).all())
+
+
+@pytest.mark.parametrize(("centre", "spread"), [(0.0, 1.0), (0.3, 2.0), (1e-4, 3e-3)])
+def test_the_refitted_threshold_is_the_gaussians_quantile_for_the_target(centre: float, spread: float) -> None:
+    d, seen, target = 10**6, 400, 7_500
+    thr = centre + spread * normal_quantile(1 - seen / (2 * d))  # where a Gaussian of this spread keeps `seen`
+    expected = centre + spread * normal_quantile(1 - target / (2 * d))
+    assert refitted(thr, centre, seen, target, d) == pytest.approx(expected, rel=1e-12)
+    assert refitted(thr, centre, 0, target, d) is None  # nothing found: nothing to fit
+    assert refitted(centre, centre, seen, target, d) is None
