@@ -216,6 +216,8 @@ def _stochastic_codes(
     floors16 = torch.empty(size, dtype=torch.int16, device=g.device)
     floors = torch.empty(size, dtype=torch.uint8, device=g.device)
     keep = torch.empty(size, dtype=torch.bool, device=g.device)
+    # the level's increment as a float: a bool operand would send the add down a slow casting path
+    step_up = torch.empty(size if fractional else 0, dtype=g.dtype, device=g.device)
     tied = torch.empty(size, dtype=torch.bool, device=g.device)
     tie_indices, tie_fractions = [], []
     for start in range(0, numel, chunk):
@@ -236,21 +238,24 @@ def _stochastic_codes(
         # sure. (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
         n16.copy_(q.clamp_(max=DRAW_LEVELS)).clamp_(max=DRAW_LEVELS - 1)
         n8.copy_(n16)
-        torch.lt(draws, n8, out=kept)
+        if fractional:
+            torch.lt(draws, n8, out=step_up[:n])
+        else:
+            torch.lt(draws, n8, out=kept)
         ties = sparse_nonzero(torch.eq(draws, n8, out=tie))
         if ties.numel():
             tie_indices.append(ties + start)
             tie_fractions.append(q[ties].sub_(n8[ties]))
         out = codes[start:stop]
         if fractional:  # sign(g) (floor(u) + xi), small integers: exact
-            out.copy_(torch.sign(g[start:stop], out=wide[:n]).mul_(below[:n].add_(kept)))
+            out.copy_(torch.sign(g[start:stop], out=wide[:n]).mul_(below[:n].add_(step_up[:n])))
         else:
             out.copy_(torch.sign(g[start:stop], out=q)).mul_(kept.view(torch.int8))  # q is free: ties are taken
     if tie_indices:  # a tie steps one level away from zero where its second uniform wins
         ties = torch.cat(tie_indices)
         second = torch.rand(ties.numel(), generator=generator, device=g.device, dtype=torch.float32)
         won = (second < torch.cat(tie_fractions)).to(torch.int8)
-        codes[ties] += torch.sign(g[ties]).to(torch.int8) * won
+        codes.index_add_(0, ties, torch.sign(g.index_select(0, ties)).to(torch.int8) * won)
     return codes
 
 
