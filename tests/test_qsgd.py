@@ -72,6 +72,22 @@ def test_wire_is_a_norm_per_block_and_fixed_width_levels(levels: int, numel: int
         compressor.unpack(torch.cat([wire, wire[:1]]), x.shape, x.dtype)
 
 
+@pytest.mark.parametrize("levels", [7, 100])
+def test_a_received_payload_stays_packed_and_adds_any_range_as_its_levels(levels: int) -> None:
+    x = torch.randn(3001, generator=torch.Generator().manual_seed(5))
+    compressor = QSGDCompressor(levels, block_size=64)
+    payload = compressor.compress(x, torch.Generator().manual_seed(6))
+    back = compressor.unpack(payload.to_bytes(), x.shape, x.dtype)
+    assert back.stored_codes is None and back.packed is not None  # another rank's payload: 4 or 8 bits each
+    assert torch.equal(back.to_bytes(), payload.to_bytes())
+    dense = payload.dense()
+    for start, count in [(0, 3001), (1, 1), (7, 130), (64, 64), (1000, 2001), (3000, 1)]:
+        assert torch.equal(back.code_range(start, count), payload.codes[start : start + count]), (start, count)
+        out = torch.ones(count)
+        assert torch.equal(back.add_to_(out, first=start), 1 + dense[start : start + count]), (start, count)
+    assert torch.equal(back.codes, payload.codes)
+
+
 def test_a_zero_block_sends_zeros() -> None:
     compressor = QSGDCompressor(7, block_size=4)
     x = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -2.0, 0.5, 0.0])

@@ -208,6 +208,25 @@ def test_bytes_drawn_chunk_by_chunk_are_the_stream_of_one_draw(block: int | None
     assert torch.equal(codes, (torch.sign(g) * keep).to(torch.int8))
 
 
+def test_a_received_payload_stays_packed_and_the_chunked_sum_equals_the_whole_one() -> None:
+    # three ranks' payloads of 2.3 encoder chunks under one shared scaler, two of them as received off the wire
+    numel = int(2.3 * ternary.ENCODE_CHUNK) + 3
+    compressor = TernGradCompressor(share_scale=True)
+    gens = [torch.Generator().manual_seed(r) for r in range(3)]
+    xs = [torch.randn(numel, generator=g) for g in gens]
+    shared = max(compressor.local_scale(x) for x in xs)
+    payloads = [compressor.compress(x, g, scale=shared) for x, g in zip(xs, gens, strict=True)]
+    received = [payloads[0], *(compressor.unpack(p.to_bytes(), xs[0].shape, xs[0].dtype) for p in payloads[1:])]
+    assert all(p.stored_codes is None and p.packed is not None for p in received[1:])
+    for start, count in [(0, 5), (1, 7), (3, 1), (ternary.ENCODE_CHUNK - 2, 9), (numel - 5, 5)]:
+        assert torch.equal(received[1].code_range(start, count), payloads[1].codes[start : start + count])
+    out = torch.full((numel,), 0.5)
+    compressor.accumulate_all(received, out)
+    # the whole-tensor arithmetic: the integer sum of the codes times the shared scaler, rounded once, added
+    total = sum(p.codes.to(torch.int32) for p in payloads).to(torch.float32)
+    assert torch.equal(out, torch.full((numel,), 0.5).addcmul_(total, payloads[0].scales))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", [(), (1,), (3,), (5, 7), (1001,), (0,)])
 def test_wire_round_trip_and_fixed_size(dtype: torch.dtype, shape: tuple[int, ...]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -87,27 +88,60 @@ def unpack_levels(packed: Tensor, numel: int, levels: int) -> Tensor:
     return biased.sub_(levels).view(torch.int8)
 
 
+def unpack_level_range(packed: Tensor, start: int, count: int, levels: int) -> Tensor:
+    """Levels ``[start, start + count)`` (int8) of :func:`pack_levels`' bytes, unpacked alone."""
+    if code_bits(levels) == 8:
+        return packed[start : start + count].view(torch.int8).sub(levels)
+    first = start // 2
+    chunk = packed[first : -(-(start + count) // 2)]
+    pairs = torch.stack([chunk & 0xF, chunk >> 4], dim=1).reshape(-1)
+    offset = start - 2 * first
+    return pairs[offset : offset + count].view(torch.int8).sub(levels)
+
+
 @dataclass(frozen=True, eq=False)
 class LevelsPayload(Payload):
-    """Signed levels ``c_j`` in ``[-s, s]`` (int8) and one norm per block: element ``j`` is ``N_l c_j / s``."""
+    """Signed levels ``c_j`` in ``[-s, s]`` (int8) and one norm per block: element ``j`` is ``N_l c_j / s``.
 
-    codes: Tensor
+    A payload received off the wire keeps its levels ``packed`` (``stored_codes`` is ``None``) and decodes a
+    chunk at a time where it is added (:meth:`code_range`): 4 bits per element of another rank's payload,
+    not an int8. :attr:`codes` decodes them whole when asked.
+    """
+
+    stored_codes: Tensor | None
     norms: Tensor
     shape: torch.Size
     dtype: torch.dtype
     block: int
     levels: int
+    packed: Tensor | None = None
+
+    @cached_property
+    def codes(self) -> Tensor:
+        """The int8 levels, flat (decoded whole from :attr:`packed` for a received payload)."""
+        if self.stored_codes is not None:
+            return self.stored_codes
+        assert self.packed is not None
+        return unpack_levels(self.packed, self.numel, self.levels)
+
+    def code_range(self, start: int, count: int) -> Tensor:
+        """Levels ``[start, start + count)`` (int8): a view of the stored ones, or that range unpacked alone."""
+        if self.stored_codes is not None:
+            return self.stored_codes[start : start + count]
+        assert self.packed is not None
+        return unpack_level_range(self.packed, start, count, self.levels)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return self.codes.device
+        return self.norms.device
 
     @property
     def nbytes(self) -> int:
-        return 4 * self.norms.numel() + codes_nbytes(self.codes.numel(), self.levels)
+        return 4 * self.norms.numel() + codes_nbytes(self.numel, self.levels)
 
     def to_bytes(self) -> Tensor:
-        return to_bytes([self.norms, pack_levels(self.codes, self.levels)])
+        packed = self.packed if self.stored_codes is None else pack_levels(self.stored_codes, self.levels)
+        return to_bytes([self.norms, packed])
 
     @classmethod
     def from_bytes(
@@ -119,7 +153,7 @@ class LevelsPayload(Payload):
         packed = reader.take(codes_nbytes(numel, levels), torch.uint8)
         if reader.remaining:
             raise ValueError(f"QSGD payload has {reader.remaining} unexpected trailing bytes")
-        return cls(unpack_levels(packed, numel, levels), norms, shape, dtype, block, levels)
+        return cls(None, norms, shape, dtype, block, levels, packed=packed)
 
     def dense(self) -> Tensor:
         """The decoded flat tensor, in float32 (or float64 for float64 gradients)."""
@@ -140,7 +174,7 @@ class LevelsPayload(Payload):
             # a block edge unless it is the last piece, or blocks are longer than a chunk
             edge = start - start % block + STREAM_CHUNK
             end = min(first + n, edge if edge > start else start + STREAM_CHUNK)
-            values = buffer[: end - start].copy_(self.codes[start:end])
+            values = buffer[: end - start].copy_(self.code_range(start, end - start))
             head = min((-start) % block, end - start)  # the rest of the block ``start`` lies in
             if head:
                 values[:head].mul_(scales[start // block])

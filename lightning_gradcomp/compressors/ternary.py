@@ -18,6 +18,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -266,32 +267,58 @@ class TernaryPayload(Payload):
     Wire form: the scales (fp32, one per block), then the codes packed 2 bits each:
     ``4 * blocks + ceil(numel / 4)`` bytes.
 
+    A payload received off the wire keeps its codes packed (``packed``; ``stored_codes`` is ``None``):
+    adding it decodes a chunk at a time (:meth:`code_range`), so another rank's payload costs its
+    2 bits per element, never an int8 per element. :attr:`codes` decodes them whole when asked.
+
     Attributes:
-        codes: int8, flat, values in ``{-1, 0, 1}``.
+        stored_codes: int8, flat, values in ``{-1, 0, 1}`` (``None`` when they are only ``packed``).
         scales: float32, one per block.
         shape: the tensor's shape.
         dtype: the gradient's dtype, which decoding returns.
         block_size: elements per scale (the last block may be shorter).
         shared: whether ``scales`` is a scale agreed on by every rank (TernGrad's scaler sharing).
+        packed: the codes as they travel (:func:`pack_2bit`), when the payload came off the wire.
     """
 
-    codes: Tensor
+    stored_codes: Tensor | None
     scales: Tensor
     shape: torch.Size
     dtype: torch.dtype
     block_size: int
     shared: bool = False
+    packed: Tensor | None = None
+
+    @cached_property
+    def codes(self) -> Tensor:
+        """The int8 codes, flat (decoded whole from :attr:`packed` for a received payload)."""
+        if self.stored_codes is not None:
+            return self.stored_codes
+        assert self.packed is not None
+        return unpack_2bit(self.packed, self.numel)
+
+    def code_range(self, start: int, count: int) -> Tensor:
+        """Codes ``[start, start + count)`` (int8): a view of the stored codes, or that range unpacked alone."""
+        if self.stored_codes is not None:
+            return self.stored_codes[start : start + count]
+        assert self.packed is not None
+        first = start // CODES_PER_BYTE
+        chunk = self.packed[first : -(-(start + count) // CODES_PER_BYTE)]
+        biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
+        offset = start - first * CODES_PER_BYTE
+        return biased[offset : offset + count].view(torch.int8).sub(1)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return self.codes.device
+        return (self.stored_codes if self.stored_codes is not None else self.packed).device  # type: ignore[union-attr]
 
     @property
     def nbytes(self) -> int:
-        return 4 * self.scales.numel() + packed_nbytes(self.codes.numel())
+        return 4 * self.scales.numel() + packed_nbytes(self.numel)
 
     def to_bytes(self) -> Tensor:
-        return to_bytes([self.scales.to(torch.float32), pack_2bit(self.codes)])
+        packed = self.packed if self.stored_codes is None else pack_2bit(self.stored_codes)
+        return to_bytes([self.scales.to(torch.float32), packed])
 
     @classmethod
     def from_bytes(
@@ -304,8 +331,7 @@ class TernaryPayload(Payload):
             raise ValueError(f"ternary payload of {buffer.numel()} bytes, expected {expected} for shape {tuple(shape)}")
         reader = ByteReader(buffer)
         scales = reader.take(blocks, torch.float32)
-        codes = unpack_2bit(reader.take(packed_nbytes(numel), torch.uint8), numel)
-        return cls(codes, scales, shape, dtype, block_size)
+        return cls(None, scales, shape, dtype, block_size, packed=reader.take(packed_nbytes(numel), torch.uint8))
 
     def entries(self) -> TernarySlice:
         return TernarySlice(self, 0, self.numel)
@@ -328,7 +354,7 @@ class TernaryPayload(Payload):
         scratch = torch.empty(min(chunk, numel), dtype=work, device=out.device)
         for offset in range(0, numel, chunk):
             n = min(chunk, numel - offset)
-            codes = scratch[:n].copy_(self.codes[start + offset : start + offset + n])
+            codes = scratch[:n].copy_(self.code_range(start + offset, n))
             _add_scaled_(out[offset : offset + n], codes, scales, size, start + offset, alpha)
         return out
 

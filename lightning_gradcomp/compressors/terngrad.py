@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
+    ENCODE_CHUNK,
     TernaryPayload,
     packed_nbytes,
     stochastic_ternary,
@@ -33,6 +34,16 @@ from lightning_gradcomp.workspace import Scratch
 
 #: Largest world size whose code sums fit in int8; above it the summable form is int32 (gloo has no int16).
 INT8_WORLD_LIMIT = 127
+
+
+def _summed_codes(payloads: Sequence[Payload], start: int, count: int) -> Tensor:
+    """Every rank's codes ``[start, start + count)`` summed as integers (int8 holds up to 127 ranks' codes in
+    ``{-1, 0, 1}``; int32 beyond)."""
+    dtype = torch.int8 if len(payloads) <= INT8_WORLD_LIMIT else torch.int32
+    total = payloads[0].code_range(start, count).to(dtype, copy=True)  # type: ignore[attr-defined]
+    for payload in payloads[1:]:
+        total += payload.code_range(start, count)  # type: ignore[attr-defined]
+    return total
 
 
 class TernGradCompressor(Compressor):
@@ -156,12 +167,18 @@ class TernGradCompressor(Compressor):
         assert isinstance(first, TernaryPayload)
         if not all(isinstance(p, TernaryPayload) and torch.equal(p.scales, first.scales) for p in payloads[1:]):
             return super().accumulate_all(payloads, out)
-        # int8 holds a sum of up to 127 codes in {-1, 0, 1}; int32 beyond
-        total = first.codes.to(torch.int8 if len(payloads) <= INT8_WORLD_LIMIT else torch.int32, copy=True)
-        for payload in payloads[1:]:
-            total += payload.codes
-        # the integer sum times S, one rounding (a float product of an exact integer), then added
-        return TernaryPayload(total, first.scales, first.shape, first.dtype, first.block_size).add_to_(out)
+        work = working_dtype(out.dtype)
+        if out.dtype != work:  # half precision: the sum decoded whole, rounded to the gradient's dtype, then added
+            total = _summed_codes(payloads, 0, first.numel)
+            return TernaryPayload(total, first.scales, first.shape, first.dtype, first.block_size).add_to_(out)
+        # chunk by chunk (received codes stay packed): the integer sum, times S (one rounding), added to out
+        scale = first.scales.to(work)
+        values = torch.empty(min(out.numel(), ENCODE_CHUNK), dtype=work, device=out.device)
+        for start in range(0, out.numel(), ENCODE_CHUNK):
+            n = min(ENCODE_CHUNK, out.numel() - start)
+            total = values[:n].copy_(_summed_codes(payloads, start, n))
+            out[start : start + n].addcmul_(total, scale)
+        return out
 
     @property
     def summable_across_ranks(self) -> bool:
