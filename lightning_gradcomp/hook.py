@@ -423,6 +423,7 @@ class GradCompHook:
                     **scales.get(unit.index, {}),
                     **self.warm_starts.arguments(unit, x),
                     **self._shapes[unit.index],
+                    **({"scratch": scratch} if self.compressor.takes_scratch else {}),
                 }
                 payload = self.compressor.compress(x, generator, **extra)
                 target = partial(scratch, "mean", unit.numel, x.dtype, x.device)

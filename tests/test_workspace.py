@@ -111,9 +111,12 @@ def _workspace_is_allocated_once(rank: int, world: int, method: str) -> dict:
         ("ddp_fp16", {"wire"}),
         # PowerSGD's weights are not adjacent (the biases lie between them): copied; P and Q need the mean
         ("ddp_powersgd", {"mean", "unit"}),
+        # one int8 code per element, written into the unit's kept buffer (the other ranks' stay packed)
+        ("ddp_terngrad", {"own codes"}),
+        ("ddp_diana", {"own codes"}),
     ],
 )
-def test_the_allreduce_path_sums_and_averages_in_the_same_kept_buffers_every_step(method: str, roles: set) -> None:
+def test_compressed_steps_work_in_the_same_kept_buffers_every_step(method: str, roles: set) -> None:
     for result in run_ranks(_workspace_is_allocated_once, 2, method):
         seen = result["seen"]
         assert seen[1] and seen[1] == seen[2] == seen[3]  # steps 2-4 compressed, in the same buffers

@@ -140,6 +140,9 @@ class Compressor(ABC):
             the sum of the first, so it is all-reduced only.
         warm_started: whether :meth:`compress` takes a ``warm_start=`` tensor, the unit's state
             from :meth:`initial_state` as the last step left it.
+        takes_scratch: whether :meth:`compress` takes ``scratch=``, the unit's kept buffers
+            (:mod:`lightning_gradcomp.workspace`), to write its codes into: a payload of one code per
+            element then costs no fresh model-sized allocation per step (nor its page faults).
         float_wire: whether what it sends is float values (and integers such as indices) that a
             half-precision wire can carry (:class:`~lightning_gradcomp.compressors.WirePrecision`):
             its payloads implement :meth:`Payload.cast` and :meth:`Payload.wire_nbytes`, or it is
@@ -154,6 +157,7 @@ class Compressor(ABC):
     takes_segments: ClassVar[bool] = False
     gatherable: ClassVar[bool] = True
     warm_started: ClassVar[bool] = False
+    takes_scratch: ClassVar[bool] = False
     float_wire: ClassVar[bool] = False
 
     @abstractmethod

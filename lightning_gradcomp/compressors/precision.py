@@ -153,6 +153,10 @@ class WirePrecision(Compressor):
         return self.inner.warm_started
 
     @property
+    def takes_scratch(self) -> bool:  # type: ignore[override]
+        return self.inner.takes_scratch
+
+    @property
     def density(self) -> float:
         return self.inner.density  # type: ignore[attr-defined]
 

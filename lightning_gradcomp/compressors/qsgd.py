@@ -31,9 +31,16 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finite
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
-from lightning_gradcomp.compressors.ternary import num_blocks, scale_blocks_, stochastic_levels, working_dtype
+from lightning_gradcomp.compressors.ternary import (
+    codes_buffer,
+    num_blocks,
+    scale_blocks_,
+    stochastic_levels,
+    working_dtype,
+)
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.workspace import Scratch
 
 #: QSGD's default: 7 levels, the most that 4-bit codes hold, in blocks of 512 elements (the
 #: paper's bucketing: a norm per bucket keeps the variance bound independent of the layer size).
@@ -245,14 +252,21 @@ class QSGDCompressor(BlockQuantizer):
             return math.sqrt(d) - 1.0
         return min(d / self.levels**2, math.sqrt(d) / self.levels)
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
+    def compress(
+        self,
+        x: Tensor,
+        generator: torch.Generator | None = None,
+        scale: Tensor | None = None,
+        scratch: Scratch | None = None,
+    ) -> Payload:
         g = x.detach().reshape(-1).to(working_dtype(x.dtype))
         block = self._block(g.numel())
         norms = self.norms(g)
         inverse = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
         # one level up with probability frac(u_j), u_j = |g_j| s / norm: the ternary draw of the fraction (8 random
-        # bits per element, exact in fp32), chunk by chunk with the floor (stochastic_levels)
-        codes = stochastic_levels(g, inverse, block, generator)
+        # bits per element, exact in fp32), chunk by chunk with the floor (stochastic_levels), into the unit's
+        # kept buffer when the hook hands it over
+        codes = stochastic_levels(g, inverse, block, generator, out=codes_buffer(scratch, g.numel(), g.device))
         return LevelsPayload(codes, norms.to(torch.float32), x.shape, x.dtype, block, self.levels)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:

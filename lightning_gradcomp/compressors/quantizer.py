@@ -37,12 +37,14 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
     TernaryPayload,
+    codes_buffer,
     num_blocks,
     packed_nbytes,
     stochastic_ternary,
     working_dtype,
 )
 from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.workspace import Scratch
 
 #: Default elements per block: omega stays bounded (15.5 for p = inf, 31 for p = 2) whatever the
 #: layer size, for 4 bytes of norm per 1024 elements (2.03 bits per element on the wire).
@@ -74,6 +76,7 @@ class BlockQuantizer(Compressor):
 
     name = "quantizer"
     unbiased = True
+    takes_scratch = True
 
     def __init__(self, p: float | str = math.inf, block_size: int | None = DEFAULT_BLOCK_SIZE) -> None:
         self.p = validate_p(p)
@@ -117,13 +120,18 @@ class BlockQuantizer(Compressor):
         return torch.linalg.vector_norm(rows, self.p, dim=1)
 
     def compress(
-        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
+        self,
+        x: Tensor,
+        generator: torch.Generator | None = None,
+        scale: Tensor | None = None,
+        scratch: Scratch | None = None,
     ) -> TernaryPayload:
-        """Quantize ``x``: element ``j`` of block ``l`` is kept (as ``sign * ||x_l||_p``) w.p. ``|x_j| / ||x_l||_p``."""
+        """Quantize ``x``: element ``j`` of block ``l`` is kept (as ``sign * ||x_l||_p``) w.p. ``|x_j| / ||x_l||_p``
+        (the codes into the unit's kept buffer when ``scratch`` is given)."""
         g = x.detach().reshape(-1).to(torch.float32)
         block = self._block(g.numel())
         norms = self.norms(g)
-        codes = stochastic_ternary(g, norms, block, generator)
+        codes = stochastic_ternary(g, norms, block, generator, out=codes_buffer(scratch, g.numel(), g.device))
         return TernaryPayload(codes, norms, x.shape, x.dtype, block)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:

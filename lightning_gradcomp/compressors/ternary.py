@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finite
 from lightning_gradcomp.compressors.blocks import sparse_nonzero
 from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.workspace import Scratch
 
 CODES_PER_BYTE = 4
 
@@ -156,6 +157,7 @@ def stochastic_ternary(
     block_size: int,
     generator: torch.Generator | None = None,
     cap: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Codes ``sign(g_j) * xi_j`` (int8), ``xi_j ~ Bernoulli(min(|g_j|, cap) / s_l)``, exact from 8 random bits.
 
@@ -175,12 +177,13 @@ def stochastic_ternary(
     uniform int64 words read as bytes; then one ``torch.rand`` of the tied elements in index order.
     The work runs in chunks of about :data:`ENCODE_CHUNK` elements through small scratch tensors; the
     words are drawn chunk by chunk (whole words per chunk), which is the same stream as one draw of all.
+    The codes are written into ``out`` (int8, ``g``'s size) when it is given.
     """
-    return _stochastic_codes(g, keep_levels(scales.to(torch.float32)), block_size, generator, cap)
+    return _stochastic_codes(g, keep_levels(scales.to(torch.float32)), block_size, generator, cap, out=out)
 
 
 def stochastic_levels(
-    g: Tensor, multipliers: Tensor, block_size: int, generator: torch.Generator | None = None
+    g: Tensor, multipliers: Tensor, block_size: int, generator: torch.Generator | None = None, out: Tensor | None = None
 ) -> Tensor:
     """QSGD's codes ``sign(g_j) (floor(u_j) + xi_j)`` (int8), ``u_j = |g_j| m_l``, ``xi_j ~ Bernoulli(frac(u_j))``.
 
@@ -188,9 +191,9 @@ def stochastic_levels(
     the level below ``u_j``, one up with the probability of its fractional part. The draw is
     :func:`stochastic_ternary`'s, of ``sign(g_j) frac(u_j)`` against a scale of 1 (exact in fp32: the
     fraction times 256), in the same draw order, computed chunk by chunk with the floor: no tensor of the
-    gradient's size besides the codes.
+    gradient's size besides the codes (written into ``out``, int8 of ``g``'s size, when given).
     """
-    return _stochastic_codes(g, multipliers, block_size, generator, None, fractional=True)
+    return _stochastic_codes(g, multipliers, block_size, generator, None, fractional=True, out=out)
 
 
 def _stochastic_codes(
@@ -200,11 +203,13 @@ def _stochastic_codes(
     generator: torch.Generator | None,
     cap: Tensor | None,
     fractional: bool = False,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The chunked two-stage draw behind :func:`stochastic_ternary` (``q = min(|g|, cap) m``) and
-    :func:`stochastic_levels` (``fractional``: ``u = |g| m``, ``q = 256 frac(u)``, codes from ``floor(u)`` up)."""
+    :func:`stochastic_levels` (``fractional``: ``u = |g| m``, ``q = 256 frac(u)``, codes from ``floor(u)`` up),
+    into ``out`` (int8, ``g``'s size) or a fresh tensor."""
     numel = g.numel()
-    codes = torch.empty(numel, dtype=torch.int8, device=g.device)
+    codes = torch.empty(numel, dtype=torch.int8, device=g.device) if out is None else out
     # whole blocks per chunk when there are several, and whole random words
     step = 8 if block_size >= numel else math.lcm(block_size, 8)
     chunk = step * max(1, ENCODE_CHUNK // step)
@@ -417,6 +422,11 @@ class TernarySlice:
             raise ValueError(f"slice sizes {list(numels)} do not add up to {self.numel}")
         starts = accumulate(numels[:-1], initial=self.start)
         return [TernarySlice(self.payload, start, n) for start, n in zip(starts, numels, strict=True)]
+
+
+def codes_buffer(scratch: Scratch | None, numel: int, device: torch.device) -> Tensor | None:
+    """The unit's kept int8 buffer for this rank's own codes (``None`` without scratch: a fresh tensor then)."""
+    return None if scratch is None else scratch("own codes", numel, torch.int8, device)
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -25,6 +25,7 @@ from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
     ENCODE_CHUNK,
     TernaryPayload,
+    codes_buffer,
     packed_nbytes,
     stochastic_ternary,
     working_dtype,
@@ -77,6 +78,7 @@ class TernGradCompressor(Compressor):
     """
 
     name = "terngrad"
+    takes_scratch = True
 
     def __init__(self, clip_sigma: float = 2.5, share_scale: bool = True) -> None:
         self.clip_sigma = check_number("clip_sigma", clip_sigma, 0, note="0 disables clipping")
@@ -121,11 +123,13 @@ class TernGradCompressor(Compressor):
         generator: torch.Generator | None = None,
         scale: Tensor | None = None,
         local_scale: Tensor | None = None,
+        scratch: Scratch | None = None,
     ) -> TernaryPayload:
         """Ternarize ``x`` with its own scaler, or with the shared ``scale`` (never below its own).
 
         ``local_scale``, when given, is this rank's :meth:`local_scale` of ``x`` (the hook computed it
-        to agree on ``scale``), so its reductions do not run twice.
+        to agree on ``scale``), so its reductions do not run twice; ``scratch``, the unit's kept buffers,
+        receive the codes.
         """
         if local_scale is None:
             g, local = self._prepare(x)
@@ -137,7 +141,8 @@ class TernGradCompressor(Compressor):
             used = torch.maximum(scale.detach().to(device=g.device, dtype=torch.float32).reshape(()), local)
         # A shared scaler above this rank's own: clipped elements keep probability s / S, not |g| / S.
         cap = local if scale is not None and self.clip_sigma > 0 else None
-        codes = stochastic_ternary(g, used.reshape(1), max(1, g.numel()), generator, cap=cap)
+        out = codes_buffer(scratch, g.numel(), g.device)
+        codes = stochastic_ternary(g, used.reshape(1), max(1, g.numel()), generator, cap=cap, out=out)
         return TernaryPayload(codes, used.reshape(1), x.shape, x.dtype, max(1, g.numel()), shared=scale is not None)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:
