@@ -169,3 +169,12 @@ def test_a_slice_is_finite_when_the_norms_of_its_own_blocks_are() -> None:
     payload.norms[3] = float("inf")
     first, last = payload.entries().split([1536, 512])
     assert first.all_finite() and not last.all_finite() and not payload.entries().all_finite()
+
+
+@pytest.mark.parametrize("numel", [1, 2, 1001, 2**20 + 3])
+def test_levels_pack_to_the_same_bytes_whatever_the_byte_order(numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    codes = torch.randint(-7, 8, (numel,), dtype=torch.int8, generator=torch.Generator().manual_seed(numel))
+    lanes = qsgd_module.pack_levels(codes, 7)  # int16 lanes on this (little-endian) machine
+    monkeypatch.setattr(qsgd_module, "LITTLE_ENDIAN", False)
+    assert torch.equal(qsgd_module.pack_levels(codes, 7), lanes)
+    assert torch.equal(qsgd_module.unpack_levels(lanes, numel, 7), codes)

@@ -32,6 +32,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finite
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import (
+    LITTLE_ENDIAN,
     codes_buffer,
     num_blocks,
     scale_blocks_,
@@ -73,8 +74,13 @@ def pack_levels(codes: Tensor, levels: int) -> Tensor:
         if n % 2:
             scratch[n] = 0
             chunk = scratch[: n + 1]
-        pairs = chunk.view(-1, 2)
-        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=packed[start // 2 : start // 2 + pairs.shape[0]])
+        out = packed[start // 2 : start // 2 + chunk.numel() // 2]
+        if LITTLE_ENDIAN:  # a pair as one int16 lane (low byte first): its low byte becomes lo | hi << 4
+            lanes = chunk.view(torch.int16)
+            out.copy_(lanes | (lanes >> 4))  # c + s <= 14 leaves nothing of lo above bit 3; narrowing keeps the byte
+        else:
+            pairs = chunk.view(-1, 2)
+            torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out)
     return packed
 
 
