@@ -9,7 +9,8 @@ strategy runs with the hook ``GradCompStrategy`` installs for it (``build_hook``
 DDP, after its warm-ups (compressed from step 2, at its final density: a preset's dense first
 steps are plain DDP's; the steady state is what this measures). Reported
 per method: ms/step (best of ``--repeats`` timed runs of ``--steps`` steps, after warm-up), the
-ratio to plain DDP, the hook's own breakdown (``StepStats``: compress, communicate, decompress;
+ratio to plain DDP (best run against best run; with ``--interleave``, where every method runs once per
+turn, the median over the turns of each turn's ratio, and their range), the hook's own breakdown (``StepStats``: compress, communicate, decompress;
 ms/step, rank 0) and each rank's peak resident memory while the method ran (memory freed by the
 methods before it is handed back to the system first, ``malloc_trim``).
 
@@ -27,11 +28,12 @@ import gc
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,12 +71,16 @@ def _kib(field: str) -> int:
 
 @dataclass
 class _Trial:
-    """One method's DDP on one model, warmed up and ready to step; ``best`` is its fastest timed run (s/step)."""
+    """One method's DDP on one model, warmed up and ready to step; ``runs``: its timed runs (s/step), in order."""
 
     method: str
     hook: object
     step: Callable[[], None]
-    best: float = float("inf")
+    runs: list[float] = field(default_factory=list)
+
+    @property
+    def best(self) -> float:
+        return min(self.runs)
 
 
 def _prepare(method: str, model_name: str, args: argparse.Namespace, rank: int) -> _Trial:
@@ -100,17 +106,22 @@ def _prepare(method: str, model_name: str, args: argparse.Namespace, rank: int) 
 
 
 def _time(trial: _Trial, steps: int) -> None:
-    """Time ``steps`` steps between barriers (every rank starts and ends together) and keep the best."""
+    """Time ``steps`` steps between barriers (every rank starts and ends together) and record the run."""
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
         trial.step()
     dist.barrier()
-    trial.best = min(trial.best, (time.perf_counter() - start) / steps)
+    trial.runs.append((time.perf_counter() - start) / steps)
 
 
 def _row(trial: _Trial, args: argparse.Namespace, peak_rss_mib: float | None) -> dict:
-    row = {"method": trial.method, "ms_per_step": 1e3 * trial.best, "peak_rss_mib": peak_rss_mib}
+    row = {
+        "method": trial.method,
+        "ms_per_step": 1e3 * trial.best,
+        "runs_ms": [1e3 * run for run in trial.runs],
+        "peak_rss_mib": peak_rss_mib,
+    }
     hook = trial.hook
     if hook is not None:
         timed = [s for s in hook.history if not s.warmup][-args.steps * args.repeats :]
@@ -166,16 +177,29 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store: str, out: st
     dist.destroy_process_group()
 
 
-def _table(model_name: str, ranks: list[list[dict]]) -> str:
+def _ratios(row: dict, base: dict, paired: bool) -> tuple[float, str]:
+    """The ratio to plain DDP and its spread: with runs taken in turns (``paired``), the median over the turns of
+    each turn's ratio (a slow turn slows both) and their range; else best against best."""
+    if not paired:
+        return row["ms_per_step"] / base["ms_per_step"], ""
+    turns = [run / ddp for run, ddp in zip(row["runs_ms"], base["runs_ms"], strict=True)]
+    return statistics.median(turns), f"{min(turns):.2f}-{max(turns):.2f}"
+
+
+def _table(model_name: str, ranks: list[list[dict]], paired: bool) -> str:
     rows = ranks[0]
-    base = rows[0]["ms_per_step"] if rows[0]["method"] == "ddp" else float("nan")
+    if rows[0]["method"] != "ddp":
+        raise SystemExit("the first method must be ddp: every ratio is to plain DDP")
     lines = [
-        f"\n{model_name}: ms/step, x plain DDP, the hook's breakdown on rank 0 (ms/step), the method's state and the"
-        " hook's kept buffers on rank 0 (MiB), peak RSS per rank (MiB)",
-        f"{'method':<20}{'ms/step':>9}{'x DDP':>7}{'compress':>10}{'communicate':>13}{'decompress':>12}"
+        f"\n{model_name}: ms/step (best run), x plain DDP ("
+        + ("median over the turns of each turn's ratio, and their range" if paired else "best run against best run")
+        + "), the hook's breakdown on rank 0 (ms/step), the method's state and the hook's kept buffers on rank 0"
+        " (MiB), peak RSS per rank (MiB)",
+        f"{'method':<20}{'ms/step':>9}{'x DDP':>7}{'range':>11}{'compress':>10}{'communicate':>13}{'decompress':>12}"
         f"{'collectives':>13}{'state':>8}{'buffers':>9}{'peak RSS':>18}",
     ]
     for i, r in enumerate(rows):
+        ratio, spread = _ratios(r, rows[0], paired)
         peaks = "/".join(
             f"{rank_rows[i]['peak_rss_mib']:.0f}" if rank_rows[i]["peak_rss_mib"] is not None else "-"
             for rank_rows in ranks
@@ -183,7 +207,7 @@ def _table(model_name: str, ranks: list[list[dict]]) -> str:
         parts = "".join(f"{r[p]:>{w}.1f}" if p in r else f"{'':>{w}}" for p, w in
                         (("compress", 10), ("communicate", 13), ("decompress", 12), ("collectives", 13),
                          ("state_mib", 8), ("buffers_mib", 9)))  # fmt: skip
-        lines.append(f"{r['method']:<20}{r['ms_per_step']:>9.1f}{r['ms_per_step'] / base:>7.2f}{parts}{peaks:>18}")
+        lines.append(f"{r['method']:<20}{r['ms_per_step']:>9.1f}{ratio:>7.2f}{spread:>11}{parts}{peaks:>18}")
     return "\n".join(lines)
 
 
@@ -224,7 +248,7 @@ def main() -> None:
                 for model in args.model:
                     ranks[rank][model] += rows[model]
     for model_name in args.model:
-        print(_table(model_name, [r[model_name] for r in ranks]))
+        print(_table(model_name, [r[model_name] for r in ranks], args.interleave))
     if args.json:
         args.json.write_text(json.dumps({"setup": vars(args) | {"json": str(args.json)}, "ranks": ranks}, indent=1))
 
