@@ -10,9 +10,10 @@ DDP, after its warm-ups (compressed from step 2, at its final density: a preset'
 steps are plain DDP's; the steady state is what this measures). Reported
 per method: ms/step (best of ``--repeats`` timed runs of ``--steps`` steps, after warm-up), the
 ratio to plain DDP (best run against best run; with ``--interleave``, where every method runs once per
-turn, the median over the turns of each turn's ratio, and their range), the hook's own breakdown (``StepStats``: compress, communicate, decompress;
-ms/step, rank 0) and each rank's peak resident memory while the method ran (memory freed by the
-methods before it is handed back to the system first, ``malloc_trim``).
+turn, the median over the turns of each turn's ratio, and their range), the hook's own breakdown
+(``StepStats``: compress, communicate, decompress; ms/step, rank 0) and each rank's peak resident
+memory while the method ran (memory freed by the methods before it is handed back to the system
+first, ``malloc_trim``).
 
     python benchmarks/overhead.py --model mlp --model resnet20 --json benchmarks/results/overhead.json
     python benchmarks/overhead.py --model mlp25m --steps 5 --repeats 1
