@@ -456,9 +456,10 @@ class GradCompHook:
                     grad.copy_(mean)
                 continue
             # The mean is written over the compressed tensor itself (DDP's bucket, or the unit's kept copy) when
-            # what must be read first can be: what this rank sent (for the memory, or a capture) and whether the
-            # mean is finite (for a memory with state); else it is decoded into a kept buffer first.
-            reads_sent = self.memory.uses_sent or unit.index in raws
+            # what must be read first can be: what this rank sent (for the memory, a capture, or the decoding
+            # itself: a gathered dense payload is a view of that tensor) and whether the mean is finite (for a
+            # memory with state); else it is decoded into a kept buffer first.
+            reads_sent = self.memory.uses_sent or unit.index in raws or not agg.from_sum
             early = (agg.reached_before_mean or not reads_sent) and (agg.finite_known or not self.memory.keeps_state)
             if not early:
                 agg.decode_into(None)

@@ -6,6 +6,7 @@ singular values and the probabilities) and use fixed seeds, so they are determin
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Callable
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from ranks import run_ranks
 from test_terngrad import assert_unbiased
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
 from lightning_gradcomp.compressors import DensePayload
@@ -28,6 +32,8 @@ from lightning_gradcomp.compressors.atomo import (
     spectral_decomposition,
 )
 from lightning_gradcomp.compressors.spectral import sketched_decomposition
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.memory import NoMemory
 
 Z = 5.0  # tolerance in standard deviations of the quantity tested
 
@@ -585,3 +591,39 @@ def test_sketched_payloads_depend_only_on_the_gradient_and_the_generator() -> No
 def test_bad_decomposition_arguments_are_rejected(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AtomoCompressor(3, **kwargs)
+
+
+def _dense_fallback_average(rank: int, world_size: int) -> dict:
+    """One step of a layer ATOMO sends dense (a (2, 1000) weight: 2 atoms would cost more than its entries)
+    through the hook, memoryless and gathered, against the mean of the ranks' gradients by an allreduce."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 2, bias=False))
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    hook = GradCompHook(
+        AtomoCompressor(3),
+        NoMemory(),
+        "allgather",
+        list(model.named_parameters()),
+        warmup_steps=0,
+        min_compress_numel=0,
+    )
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(rank))
+    ddp(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    expected = reference[0].weight.grad.clone()
+    dist.all_reduce(expected)
+    return {
+        "got": model[0].weight.grad.clone(),
+        "expected": expected / world_size,
+        "compressed": hook.history[-1].compressed,
+    }
+
+
+def test_a_layer_atomo_sends_dense_averages_to_the_ranks_mean() -> None:
+    # catches: the mean decoded over DDP's bucket while this rank's dense payload, a view of it, is still read
+    for r in run_ranks(_dense_fallback_average, 2):
+        assert r["compressed"]
+        torch.testing.assert_close(r["got"], r["expected"], rtol=1e-6, atol=1e-6)

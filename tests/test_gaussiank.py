@@ -274,6 +274,9 @@ def test_ascending_top_k_keeps_the_k_largest_in_order_ties_included(k: int) -> N
     assert got.numel() == min(k, 1000) and bool((got[1:] > got[:-1]).all())
     expected = torch.topk(magnitudes, min(k, 1000)).values
     assert torch.equal(magnitudes[got].sort(descending=True).values, expected)  # the same multiset of magnitudes
+    # ties at the cut go to the first positions: the k first of a stable sort by descending magnitude
+    reference = torch.sort(magnitudes, descending=True, stable=True).indices[: min(k, 1000)].sort().values
+    assert torch.equal(got, reference)
     with_nan = magnitudes.clone()
     with_nan[3] = float("nan")
     if 0 < k < 1000:  # a NaN ranks first, as torch.topk ranks it

@@ -67,6 +67,9 @@ class Aggregate:
             then carries the infinity to the optimizer all the same.)
         local: this rank's contribution, when all of it reached the mean.
         partial: what of it reached the mean when only part did (gTop-k drops entries on the way).
+        from_sum: whether decoding reads only a sum over ranks, never this rank's payload (an allreduce):
+            the mean may then be written over the tensor the payload was taken from, even where the payload
+            is a view of it (a dense payload), without knowing what of it reached the mean.
     """
 
     def __init__(
@@ -75,12 +78,14 @@ class Aggregate:
         finite: Callable[[], bool] | None = None,
         local: Contribution | None = None,
         partial: Tensor | Entries | None = None,
+        from_sum: bool = False,
     ) -> None:
         self._decode: Callable[[Tensor | None], Tensor] | None = decode
         self._finite = finite
         self._mean: Tensor | None = None
         self.local = local
         self.partial = partial
+        self.from_sum = from_sum
 
     def decode_into(self, out: Tensor | None) -> Tensor:
         """The mean, written into the flat ``out`` if it is not decoded yet (``None``: the default target);
@@ -221,7 +226,7 @@ def _from_sum(c: Contribution, total: Tensor, world: int) -> Aggregate:
         return c.codec.from_sum(total, c.payload, world, out if out is not None else c.out() if c.out else None)
 
     finite = (lambda: all_finite(total)) if total.is_floating_point() else None
-    return Aggregate(decode, finite, local=c)
+    return Aggregate(decode, finite, local=c, from_sum=True)
 
 
 def _next(contribution: Contribution, total: Tensor, world: int) -> Tensor | None:

@@ -62,12 +62,12 @@ class GaussianKCompressor(TopKCompressor):
     2. ``thr = |mu| + Phi^-1(1 - rho/2) * sigma`` (the paper's threshold); find the entries with
        ``|acc| > thr`` through per-block maxima (:class:`~.blocks.MagnitudeBlocks`: two reductions,
        then only the blocks holding candidates are read; a unit read in pieces has each piece's blocks);
-    3. while fewer than ``k/2`` are found, up to ``refinements`` times: first lower ``thr`` to where
-       a Gaussian refitted to the tail just seen (the same centre, the spread that puts the count
-       found above ``thr``) puts ``3k/4``; if that still finds fewer than ``k/2``, halve ``thr``, but
-       never below the ``k``-th largest block maximum (at least ``k`` entries reach that one, since
-       each of those ``k`` blocks holds one; it costs a Top-k of the ``d / 64`` block maxima), so two
-       refinements always suffice, however heavy the tail;
+    3. while fewer than ``k/2`` are found, up to ``refinements`` times: first (with two refinements
+       or more) lower ``thr`` to where a Gaussian refitted to the tail just seen (the same centre, the
+       spread that puts the count found above ``thr``) puts ``3k/4``; then halve ``thr``, but never
+       below the ``k``-th largest block maximum (at least ``k`` entries reach that one, since each of
+       those ``k`` blocks holds one; it costs a Top-k of the ``d / 64`` block maxima), however heavy
+       the tail;
     4. if more than ``k`` are found, keep the ``k`` largest of them by magnitude (a Top-k among the
        candidates, not of all ``d`` entries).
 
@@ -162,7 +162,9 @@ class GaussianKCompressor(TopKCompressor):
         for attempt in range(self.refinements):
             if indices.numel() >= LOWER * k:
                 break
-            lowered = refitted(thr, centre, indices.numel(), TARGET * k, flat.numel()) if attempt == 0 else None
+            # the refit first, where a later refinement can still fall back on the floor
+            refit = attempt == 0 and self.refinements > 1
+            lowered = refitted(thr, centre, indices.numel(), TARGET * k, flat.numel()) if refit else None
             if lowered is None:
                 if floor is None:  # the k-th largest block maximum: at least k entries reach it
                     floor = (blocks if blocks is not None else magnitude_blocks(flat)).kth_peak(k)

@@ -99,8 +99,8 @@ def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tens
 
 def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) -> Tensor:
     """The ``k`` ascending int64 indices that :func:`encode_indices` wrote into ``buffer`` (uint8, exactly
-    :func:`encoded_nbytes` long). The count is known, so nothing waits for the device (``nonzero_static``);
-    on the CPU the bytes are also checked to hold exactly ``k`` indices below ``n``."""
+    :func:`encoded_nbytes` long). The bytes are checked to hold exactly ``k`` indices (one number read back from
+    the device), and on the CPU also that they lie below ``n``."""
     slots = k if capacity is None else capacity
     size = encoded_nbytes(n, k, capacity)
     if buffer.numel() != size:
@@ -111,11 +111,11 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
         return torch.empty(0, dtype=torch.long, device=device)
     check = device.type == "cpu"
     if kind == "bitmap":
-        indices = _set_positions(buffer, k, check)
+        indices = _set_positions(buffer, k)
     else:
         low = low_bits(n, slots)
         low_size = _bytes(slots * low)
-        ones = _set_positions(buffer[low_size:], k, check)
+        ones = _set_positions(buffer[low_size:], k)
         indices = (ones - torch.arange(k, device=device)) << low
         if low:
             indices |= _unpacked_values(buffer[:low_size], k, low)
@@ -137,13 +137,14 @@ def _set_bits(positions: Tensor, nbytes: int) -> Tensor:
     return _bytes_of(words)[:nbytes]
 
 
-def _set_positions(buffer: Tensor, k: int, check: bool) -> Tensor:
-    """The ascending positions of the ``k`` set bits of ``buffer`` (checking, when asked, that there are exactly
-    ``k``): per byte its count of ones (a table), then each one's bit from a table of the byte's set bits."""
+def _set_positions(buffer: Tensor, k: int) -> Tensor:
+    """The ascending positions of the ``k`` set bits of ``buffer``: per byte its count of ones (a table), then each
+    one's bit from a table of the byte's set bits. The count is checked on every device (one number read back):
+    spreading the bytes over ``k`` positions must not run past them on malformed bytes."""
     counts, bits = _byte_tables(buffer.device)
     values = buffer.long()
     per_byte = counts.index_select(0, values)
-    if check and int(per_byte.sum()) != k:
+    if int(per_byte.sum()) != k:
         raise ValueError(f"the index bytes hold {int(per_byte.sum())} indices, expected {k}")
     byte = torch.repeat_interleave(torch.arange(buffer.numel(), device=buffer.device), per_byte, output_size=k)
     first = per_byte.cumsum(0) - per_byte  # ones before each byte

