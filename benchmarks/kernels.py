@@ -13,7 +13,11 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 * the ``k`` largest of the candidates (``k`` = 250,000 of 280,000): ``torch.topk`` and a sort against
   ``ascending_top_k``'s ``kthvalue``;
 * ATOMO's atoms of a 512 x 3072 gradient of rank 32 (a linear layer's, batch 32): the exact decomposition
-  against the sketched one.
+  against the sketched one;
+* QSGD's 4-bit levels packed a pair at a time against as int16 lanes;
+
+and alone: Elias-Fano's encoding and decoding of 250,000 indices, gTop-k's merge of two such sets, and
+QSGD's draw of a layer's levels.
 
     python benchmarks/kernels.py [--device cuda]
 """
@@ -26,13 +30,19 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gradcomp.compressors import blocks
+from lightning_gradcomp.comm.gtopk import SparseSet, merge
+from lightning_gradcomp.compressors import blocks, qsgd
 from lightning_gradcomp.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.compressors.blocks import MagnitudeBlocks, streamed_above
+from lightning_gradcomp.compressors.indices import decode_indices, encode_indices
 from lightning_gradcomp.compressors.precision import scaled_cast
 from lightning_gradcomp.compressors.spectral import spectral_decomposition
+from lightning_gradcomp.compressors.ternary import stochastic_levels
 from lightning_gradcomp.compressors.topk import TopKCompressor, ascending_top_k
+
+#: the 25.2M MLP's largest layer, 4096 x 4096
+LAYER = 4096 * 4096
 
 
 def best_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -121,11 +131,44 @@ def main() -> None:
             ("sketched (rank 32)", lambda: atomo.decompose(layer)),
         ),
     ]
+    levels = torch.randint(-7, 8, (LAYER,), dtype=torch.int8, generator=generator).to(device)
+    pairs.append(
+        (
+            f"QSGD's 4-bit levels packed, {LAYER} of them",
+            ("a pair at a time (any byte order)", lambda: packed_levels(levels, little_endian=False)),
+            ("int16 lanes", lambda: packed_levels(levels, little_endian=True)),
+        )
+    )
+    indices = torch.randperm(args.numel, generator=generator)[:250_000].sort().values.to(device)
+    encoded = encode_indices(indices, args.numel)
+    others = torch.randperm(args.numel, generator=generator)[:250_000].sort().values.to(device)
+    sets = [SparseSet(i, torch.randn(i.numel(), generator=generator).to(device)) for i in (indices, others)]
+    gradient = torch.randn(LAYER, generator=generator).to(device)
+    multipliers = torch.rand(LAYER // 512, generator=generator).to(device) * 10
+    draws = torch.Generator(device=device).manual_seed(1)
+    singles = [
+        (f"Elias-Fano encode, 250,000 indices of {args.numel}", lambda: encode_indices(indices, args.numel)),
+        (f"Elias-Fano decode, 250,000 indices of {args.numel}", lambda: decode_indices(encoded, args.numel, 250_000)),
+        ("gTop-k's merge of two sets of 250,000 entries", lambda: merge(*sets, 250_000)),
+        (f"QSGD's levels drawn, {LAYER} entries", lambda: stochastic_levels(gradient, multipliers, 512, draws)),
+    ]
     where = "one CPU thread" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"{where}, best of {args.repeats} (ms)")
     for what, (slow_name, slow), (fast_name, fast) in pairs:
         slow_ms, fast_ms = best_ms(slow, args.repeats, device), best_ms(fast, args.repeats, device)
         print(f"{what}: {slow_name} {slow_ms:.2f}, {fast_name} {fast_ms:.2f} ({slow_ms / fast_ms:.1f}x)")
+    for what, fn in singles:
+        print(f"{what}: {best_ms(fn, args.repeats, device):.2f}")
+
+
+def packed_levels(levels: torch.Tensor, little_endian: bool) -> torch.Tensor:
+    """:func:`~lightning_gradcomp.compressors.qsgd.pack_levels` by the int16 lanes or by the byte-order-free form."""
+    saved = qsgd.LITTLE_ENDIAN
+    qsgd.LITTLE_ENDIAN = little_endian
+    try:
+        return qsgd.pack_levels(levels, 7)
+    finally:
+        qsgd.LITTLE_ENDIAN = saved
 
 
 if __name__ == "__main__":

@@ -78,9 +78,8 @@ class GaussianKCompressor(TopKCompressor):
     1.64k on Laplace-like data at 0.01), and the authors' code then truncates by position, not
     by magnitude. Halving alone overshoots there by two orders of magnitude (0.22k, then 100k
     entries, whose Top-k costs more than the whole selection should); the block-maxima floor
-    lands at a few ``k`` (3.6k on the 25.2M MLP's error-feedback gradients), the refitted
-    Gaussian near ``k``. An overshoot costs only a Top-k among the candidates, and a count
-    above ``k`` is never sent.
+    lands at a few ``k``, the refitted Gaussian nearer ``k``. An overshoot costs only a Top-k among
+    the candidates, and a count above ``k`` is never sent.
 
     Other deviations, for inputs far from the paper's bell shape: ``|mu|`` instead of ``mu``
     (Top-k is invariant under ``acc -> -acc``; the paper's ``mu + z * sigma`` turns negative for

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -75,7 +76,12 @@ class CastPayload(Payload):
 
     def arrived(self) -> Payload:
         """The payload as the average sees it: float values rounded to ``wire`` and back to the gradient's
-        dtype, or, summed in rounds, the inner payload (the rounding happened in the rounds' sums)."""
+        dtype, or, summed in rounds, the inner payload (the rounding happened in the rounds' sums). Cast once:
+        the aggregate, the memory and the decoding each ask for it."""
+        return self._arrived
+
+    @cached_property
+    def _arrived(self) -> Payload:
         return self.inner if self.in_rounds else self.inner.cast(self.wire).cast(self.inner.dtype)
 
     def entries(self) -> Entries | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -33,6 +32,7 @@ from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finit
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import (
     LITTLE_ENDIAN,
+    PackedCodes,
     codes_buffer,
     num_blocks,
     scale_blocks_,
@@ -113,12 +113,11 @@ def unpack_level_range(packed: Tensor, start: int, count: int, levels: int) -> T
 
 
 @dataclass(frozen=True, eq=False)
-class LevelsPayload(Payload):
+class LevelsPayload(PackedCodes, Payload):
     """Signed levels ``c_j`` in ``[-s, s]`` (int8) and one norm per block: element ``j`` is ``N_l c_j / s``.
 
-    A payload received off the wire keeps its levels ``packed`` (``stored_codes`` is ``None``) and decodes a
-    chunk at a time where it is added (:meth:`code_range`): 4 bits per element of another rank's payload,
-    not an int8. :attr:`codes` decodes them whole when asked.
+    A payload received off the wire keeps its levels packed (:class:`~.ternary.PackedCodes`): 4 bits per
+    element of another rank's payload, not an int8.
     """
 
     stored_codes: Tensor | None
@@ -129,20 +128,14 @@ class LevelsPayload(Payload):
     levels: int
     packed: Tensor | None = None
 
-    @cached_property
-    def codes(self) -> Tensor:
-        """The int8 levels, flat (decoded whole from :attr:`packed` for a received payload)."""
-        if self.stored_codes is not None:
-            return self.stored_codes
-        assert self.packed is not None
-        return unpack_levels(self.packed, self.numel, self.levels)
+    def _unpack_all(self, packed: Tensor) -> Tensor:
+        return unpack_levels(packed, self.numel, self.levels)
 
-    def code_range(self, start: int, count: int) -> Tensor:
-        """Levels ``[start, start + count)`` (int8): a view of the stored ones, or that range unpacked alone."""
-        if self.stored_codes is not None:
-            return self.stored_codes[start : start + count]
-        assert self.packed is not None
-        return unpack_level_range(self.packed, start, count, self.levels)
+    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
+        return unpack_level_range(packed, start, count, self.levels)
+
+    def _pack(self, codes: Tensor) -> Tensor:
+        return pack_levels(codes, self.levels)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -153,8 +146,7 @@ class LevelsPayload(Payload):
         return 4 * self.norms.numel() + codes_nbytes(self.numel, self.levels)
 
     def to_bytes(self) -> Tensor:
-        packed = self.packed if self.stored_codes is None else pack_levels(self.stored_codes, self.levels)
-        return to_bytes([self.norms, packed])
+        return to_bytes([self.norms, self.wire_codes()])
 
     @classmethod
     def from_bytes(

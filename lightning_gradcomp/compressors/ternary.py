@@ -79,6 +79,58 @@ def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
     return codes
 
 
+def unpack_2bit_range(packed: Tensor, start: int, count: int) -> Tensor:
+    """Codes ``[start, start + count)`` (int8) of :func:`pack_2bit`'s bytes, unpacked alone."""
+    first = start // CODES_PER_BYTE
+    chunk = packed[first : -(-(start + count) // CODES_PER_BYTE)]
+    biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
+    offset = start - first * CODES_PER_BYTE
+    return biased[offset : offset + count].view(torch.int8).sub(1)
+
+
+class PackedCodes:
+    """One small integer code per element, held as int8 (``stored_codes``: this rank's own) or still packed as it
+    travelled (``packed``: another rank's, decoded a chunk at a time where it is added, so it costs its wire
+    bits per element, never an int8). For the payloads of ternary codes and of QSGD's levels."""
+
+    stored_codes: Tensor | None
+    packed: Tensor | None
+
+    def _unpack_all(self, packed: Tensor) -> Tensor:
+        """Every code of ``packed``, int8."""
+        raise NotImplementedError
+
+    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
+        """Codes ``[start, start + count)`` of ``packed``, int8."""
+        raise NotImplementedError
+
+    def _pack(self, codes: Tensor) -> Tensor:
+        """The wire form of int8 ``codes``."""
+        raise NotImplementedError
+
+    @cached_property
+    def codes(self) -> Tensor:
+        """The int8 codes, flat (decoded whole from :attr:`packed` for a received payload)."""
+        if self.stored_codes is not None:
+            return self.stored_codes
+        assert self.packed is not None
+        return self._unpack_all(self.packed)
+
+    def code_range(self, start: int, count: int) -> Tensor:
+        """Codes ``[start, start + count)`` (int8): a view of the stored codes, or that range unpacked alone."""
+        if self.stored_codes is not None:
+            return self.stored_codes[start : start + count]
+        assert self.packed is not None
+        return self._unpack_range(self.packed, start, count)
+
+    def wire_codes(self) -> Tensor:
+        """The codes as they travel: the packed bytes received, or this rank's codes packed."""
+        if self.stored_codes is None:
+            assert self.packed is not None
+            return self.packed
+        return self._pack(self.stored_codes)
+
+
 # Two implementations of the same byte layout. The word form works on contiguous int32 lanes (about
 # 4x faster while the data sits in cache) but relies on little-endian byte order inside a word; the
 # column form is order-free. Tests check that both give the same bytes.
@@ -266,15 +318,13 @@ def _stochastic_codes(
 
 
 @dataclass(frozen=True, eq=False)
-class TernaryPayload(Payload):
+class TernaryPayload(PackedCodes, Payload):
     """Ternary codes of a tensor of ``shape`` with one fp32 scale per block of ``block_size`` elements.
 
     Wire form: the scales (fp32, one per block), then the codes packed 2 bits each:
     ``4 * blocks + ceil(numel / 4)`` bytes.
 
-    A payload received off the wire keeps its codes packed (``packed``; ``stored_codes`` is ``None``):
-    adding it decodes a chunk at a time (:meth:`code_range`), so another rank's payload costs its
-    2 bits per element, never an int8 per element. :attr:`codes` decodes them whole when asked.
+    A payload received off the wire keeps its codes packed (:class:`PackedCodes`).
 
     Attributes:
         stored_codes: int8, flat, values in ``{-1, 0, 1}`` (``None`` when they are only ``packed``).
@@ -294,36 +344,25 @@ class TernaryPayload(Payload):
     shared: bool = False
     packed: Tensor | None = None
 
-    @cached_property
-    def codes(self) -> Tensor:
-        """The int8 codes, flat (decoded whole from :attr:`packed` for a received payload)."""
-        if self.stored_codes is not None:
-            return self.stored_codes
-        assert self.packed is not None
-        return unpack_2bit(self.packed, self.numel)
+    def _unpack_all(self, packed: Tensor) -> Tensor:
+        return unpack_2bit(packed, self.numel)
 
-    def code_range(self, start: int, count: int) -> Tensor:
-        """Codes ``[start, start + count)`` (int8): a view of the stored codes, or that range unpacked alone."""
-        if self.stored_codes is not None:
-            return self.stored_codes[start : start + count]
-        assert self.packed is not None
-        first = start // CODES_PER_BYTE
-        chunk = self.packed[first : -(-(start + count) // CODES_PER_BYTE)]
-        biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
-        offset = start - first * CODES_PER_BYTE
-        return biased[offset : offset + count].view(torch.int8).sub(1)
+    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
+        return unpack_2bit_range(packed, start, count)
+
+    def _pack(self, codes: Tensor) -> Tensor:
+        return pack_2bit(codes)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return (self.stored_codes if self.stored_codes is not None else self.packed).device  # type: ignore[union-attr]
+        return self.scales.device
 
     @property
     def nbytes(self) -> int:
         return 4 * self.scales.numel() + packed_nbytes(self.numel)
 
     def to_bytes(self) -> Tensor:
-        packed = self.packed if self.stored_codes is None else pack_2bit(self.stored_codes)
-        return to_bytes([self.scales.to(torch.float32), packed])
+        return to_bytes([self.scales.to(torch.float32), self.wire_codes()])
 
     @classmethod
     def from_bytes(
