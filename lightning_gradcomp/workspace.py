@@ -5,9 +5,9 @@ faults its pages in again: on a 25M-parameter model that costs more than the ari
 (45 ms against 7 ms for the same multiply into a kept tensor, one CPU thread: benchmarks/kernels.py).
 The hook therefore keeps, per unit, the buffers its trip still needs (the flat copy of a unit of several
 parameters that its compressor cannot read in DDP's buckets, an average that cannot be decoded over the bucket,
-the wire-precision summand) in a :class:`Workspace`, and hands compressors
-and aggregators a :data:`Scratch`: a function of (role, size, dtype, device) that returns the same tensor every step.
-A buffer's contents are whatever the last user left there.
+the wire-precision summand, this rank's packed payload, the bytes gathered from every rank) in a
+:class:`Workspace`, and hands compressors and aggregators a :data:`Scratch`: a function of (role, size, dtype,
+device) that returns the same tensor every step. A buffer's contents are whatever the last user left there.
 """
 
 from __future__ import annotations

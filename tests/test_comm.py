@@ -45,7 +45,12 @@ def _allgather_variable(rank: int, world_size: int) -> dict:
 
 def every_case(rank: int, world_size: int) -> dict:
     """All cases in one launch per world size (starting ranks costs seconds; the cases are independent)."""
-    cases = {"variable": _allgather_variable, "empty": _allgather_all_empty, "fixed": _topk_and_dense}
+    cases = {
+        "variable": _allgather_variable,
+        "empty": _allgather_all_empty,
+        "fixed": _topk_and_dense,
+        "parts": _bytes_in_parts,
+    }
     return run_cases(rank, world_size, cases)
 
 
@@ -124,3 +129,34 @@ def test_fixed_size_payloads_skip_the_size_exchange_and_match_allreduce(world_si
         assert r["counts"] == (2, 37 * 4 + sparse_bytes)  # dense allreduce + one gather, no size exchange
         # float sums: one allreduce each, so a unit's sum never depends on what travels with it
         assert r["reduced_counts"] == (3, 4 * sum(NUMELS))
+
+
+def _rank_bytes(rank: int, numel: int) -> torch.Tensor:
+    return torch.arange(numel, dtype=torch.int64).mul_(7).add_(rank).to(torch.uint8)
+
+
+def _bytes_in_parts(rank: int, world_size: int) -> dict:
+    """Rank r sends 10 r + 3 bytes in three parts (one empty) with sizes exchanged, then one part of a size every
+    rank has (sent as it lies), then the same buffer with the sizes given."""
+    collectives = Collectives()
+    whole = _rank_bytes(rank, 10 * rank + 3)
+    parts = [whole[:2], whole[2:2], whole[2:]]
+    same = _rank_bytes(rank, 5)
+    sizes = [10 * r + 3 for r in range(world_size)]
+    return {
+        "parts": collectives.all_gather_bytes(parts),
+        "same": collectives.all_gather_bytes(same),
+        "known": collectives.all_gather_bytes(parts, sizes=sizes),
+        "sent_intact": torch.equal(torch.cat(parts), _rank_bytes(rank, 10 * rank + 3)),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bytes_gathered_from_parts_arrive_whole_on_every_rank(world_size: int, every_rank: EveryRank) -> None:
+    for r in every_rank(world_size, "parts"):
+        for key, numel in (("parts", lambda q: 10 * q + 3), ("same", lambda q: 5), ("known", lambda q: 10 * q + 3)):
+            rows = r[key]
+            assert len(rows) == world_size
+            for q, row in enumerate(rows):
+                assert torch.equal(row, _rank_bytes(q, numel(q))), (key, q)
+        assert r["sent_intact"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.comm.gtopk import SparseSet, merge
+from lightning_gradcomp.compressors import qsgd, ternary
 from lightning_gradcomp.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.compressors.blocks import streamed_above
 from lightning_gradcomp.compressors.indices import decode_indices, encode_indices
@@ -84,3 +85,29 @@ def test_sketched_atoms_sum_to_the_gradient_on_the_device() -> None:
     assert float((u.T @ u - torch.eye(512, device=CUDA)).abs().max()) < 100 * eps
     exact = torch.linalg.svdvals(layer.double())
     assert float(sigma.double().sum()) <= 1.05 * float(exact.sum())
+
+
+@pytest.mark.parametrize("kind", ["ternary", "levels"])
+def test_codes_drawn_into_packed_bytes_on_the_device_are_the_int8_draw_packed(kind: str) -> None:
+    # on the device: the chunked draw packed as it goes, with the tied elements stepped in their bytes (a uint8
+    # index_add_ with repeated bytes), against the device's own int8 draw packed afterwards
+    numel = 3 * ternary.ENCODE_CHUNK + 5
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(4)).to(CUDA)
+    norms = g.view(-1)[: numel - numel % 512].view(-1, 512).norm(dim=1)
+    norms = torch.cat([norms, g[numel - numel % 512 :].norm().reshape(1)])
+    draws = [torch.Generator(device=CUDA).manual_seed(5) for _ in range(2)]
+    if kind == "levels":
+        packing = qsgd.level_packing(7)
+        codes = ternary.stochastic_levels(g, 7 / norms, 512, draws[0], levels=7)
+        packed = ternary.stochastic_levels(g, 7 / norms, 512, draws[1], packing, _bytes(packing, numel), levels=7)
+        expected = qsgd.pack_levels(codes, 7)
+    else:
+        codes = ternary.stochastic_ternary(g, norms, 512, draws[0])
+        packed = ternary.stochastic_ternary(g, norms, 512, draws[1], packed=_bytes(ternary.TERNARY_PACKING, numel))
+        expected = ternary.pack_2bit(codes)
+    assert torch.equal(packed.cpu(), expected.cpu())
+    assert packed.device.type == "cuda"
+
+
+def _bytes(packing: ternary.CodePacking, numel: int) -> torch.Tensor:
+    return torch.empty(packing.nbytes(numel), dtype=torch.uint8, device=CUDA)

@@ -12,7 +12,7 @@ from test_hook import _make_hook, _train
 from test_terngrad import Z_LIMIT, assert_unbiased
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import LevelsPayload, QSGDCompressor
+from lightning_gradcomp.compressors import LevelsPayload, QSGDCompressor, ternary
 from lightning_gradcomp.compressors import qsgd as qsgd_module
 from lightning_gradcomp.memory import Diana
 
@@ -175,6 +175,30 @@ def test_a_slice_is_finite_when_the_norms_of_its_own_blocks_are() -> None:
 def test_levels_pack_to_the_same_bytes_whatever_the_byte_order(numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
     codes = torch.randint(-7, 8, (numel,), dtype=torch.int8, generator=torch.Generator().manual_seed(numel))
     lanes = qsgd_module.pack_levels(codes, 7)  # int16 lanes on this (little-endian) machine
+    ranges = [(0, numel), (numel // 3, numel - numel // 3), (1, numel - 1), (numel - 1, 1)]
+    for start, count in ranges:  # read back through int16 lanes too, from even and odd starts
+        assert torch.equal(qsgd_module.unpack_level_range(lanes, start, count, 7), codes[start : start + count])
     monkeypatch.setattr(qsgd_module, "LITTLE_ENDIAN", False)
     assert torch.equal(qsgd_module.pack_levels(codes, 7), lanes)
     assert torch.equal(qsgd_module.unpack_levels(lanes, numel, 7), codes)
+    for start, count in ranges:
+        assert torch.equal(qsgd_module.unpack_level_range(lanes, start, count, 7), codes[start : start + count])
+
+
+@pytest.mark.parametrize("levels", [7, 20])
+def test_a_level_never_passes_s_where_one_element_holds_its_block_norm(levels: int) -> None:
+    # u = |g| (s / N) can round above s where one element holds its block's norm (blocks of one element: about one
+    # value in five in float32); a level past s would borrow from its neighbour's 4-bit field. The draw clamps u to
+    # s: multipliers well above s / |g| (u = 1.5 s) must still give exactly +-s, packed or not.
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(6))
+    multipliers = 1.5 * levels / g.abs()
+    packing = qsgd_module.level_packing(levels)
+    packed = torch.empty(packing.nbytes(g.numel()), dtype=torch.uint8)
+    draw = [torch.Generator().manual_seed(7) for _ in range(2)]
+    codes = ternary.stochastic_levels(g, multipliers, 1, draw[0], levels=levels)
+    ternary.stochastic_levels(g, multipliers, 1, draw[1], packing, packed, levels=levels)
+    assert torch.equal(codes, torch.sign(g).to(torch.int8) * levels)
+    assert torch.equal(packed, qsgd_module.pack_levels(codes, levels))
+    codec = QSGDCompressor(levels=levels, block_size=1)  # the compressor passes its s
+    payload = codec.compress(g, torch.Generator().manual_seed(7))
+    assert torch.equal(payload.codes, torch.sign(g).to(torch.int8) * levels)

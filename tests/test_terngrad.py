@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
+from lightning_gradcomp.compressors import qsgd as qsgd_module
 from lightning_gradcomp.compressors import ternary
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import pack_2bit, packed_nbytes, unpack_2bit
@@ -208,6 +209,36 @@ def test_bytes_drawn_chunk_by_chunk_are_the_stream_of_one_draw(block: int | None
     assert torch.equal(codes, (torch.sign(g) * keep).to(torch.int8))
 
 
+@pytest.mark.parametrize(
+    ("kind", "block"), [("ternary", 7), ("ternary", None), ("capped", None), ("levels", 512), ("wide levels", 33)]
+)
+def test_codes_drawn_into_their_packed_bytes_are_the_int8_draw_packed(kind: str, block: int | None) -> None:
+    # over several encoder chunks and an odd length, with the tied elements' second uniforms (about one element in
+    # 256 of a chunk) stepped into their packed fields afterwards: the same bytes as packing the int8 draw
+    numel = 2 * ternary.ENCODE_CHUNK + 7
+    block_size = numel if block is None else block
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 3
+    blocks = -(-numel // block_size)
+    padded = torch.zeros(blocks * block_size).index_copy_(0, torch.arange(numel), g)
+    scales = padded.view(blocks, block_size).norm(dim=1)  # QSGD's norms: |g_j| s / norm in [0, s] up to rounding
+    if kind.endswith("levels"):
+        levels = 7 if kind == "levels" else 20  # 4-bit and 8-bit levels
+        packing = qsgd_module.level_packing(levels)
+        multipliers = levels / scales
+        codes = ternary.stochastic_levels(g, multipliers, block_size, torch.Generator().manual_seed(5), levels=levels)
+        packed = torch.empty(packing.nbytes(numel), dtype=torch.uint8)
+        ternary.stochastic_levels(g, multipliers, block_size, torch.Generator().manual_seed(5), packing, packed, levels)
+        expected = qsgd_module.pack_levels(codes, levels)
+    else:
+        cap = torch.tensor(1.0) if kind == "capped" else None
+        codes = ternary.stochastic_ternary(g, scales, block_size, torch.Generator().manual_seed(5), cap=cap)
+        packed = torch.empty(ternary.packed_nbytes(numel), dtype=torch.uint8)
+        ternary.stochastic_ternary(g, scales, block_size, torch.Generator().manual_seed(5), cap=cap, packed=packed)
+        expected = ternary.pack_2bit(codes)
+    assert codes.abs().sum() > 0 and (codes == 0).any()
+    assert torch.equal(packed, expected)
+
+
 def test_a_received_payload_stays_packed_and_the_chunked_sum_equals_the_whole_one() -> None:
     # three ranks' payloads of 2.3 encoder chunks under one shared scaler, two of them as received off the wire
     numel = int(2.3 * ternary.ENCODE_CHUNK) + 3
@@ -386,10 +417,10 @@ def _two_paths(rank: int, world_size: int) -> dict:
         [Contribution(quantizer, q) for q in quantized], quantized_collectives
     )
     # one integer summand alone in an allreduce: the payload must come out of it untouched
-    codes_before = payloads[0].codes.clone()
+    wire_before = payloads[0].to_bytes().clone()
     (alone,) = AllreduceAggregator().aggregate([contributions[0]], Collectives())
     return {
-        "alone": {"codes_kept": torch.equal(payloads[0].codes, codes_before), "sent": alone.sent},
+        "alone": {"codes_kept": torch.equal(payloads[0].to_bytes(), wire_before), "sent": alone.sent},
         "gathered": [a.mean for a in gathered],
         "reduced": [a.mean for a in reduced],
         "sent": [a.sent for a in gathered],

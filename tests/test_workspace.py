@@ -60,8 +60,12 @@ def test_terngrad_codes_and_average_in_kept_buffers_equal_the_allocating_path_bi
     ]
     space = Workspace()
     summands = [codec.summable(p, 4, space.scratch(r)) for r, p in enumerate(payloads)]
-    for summand, payload in zip(summands, payloads, strict=True):  # a copy: the allreduce sums in place
-        assert torch.equal(summand, payload.codes) and summand.data_ptr() != payload.codes.data_ptr()
+    wires = [p.to_bytes().clone() for p in payloads]
+    for summand, payload in zip(summands, payloads, strict=True):  # unpacked: the allreduce sums in place
+        assert torch.equal(summand, payload.codes)
+        summand.add_(1)  # as the allreduce would: the payload's packed bytes are not the summand's storage
+    assert all(torch.equal(p.to_bytes(), w) for p, w in zip(payloads, wires, strict=True))
+    summands = [codec.summable(p, 4, space.scratch(r)) for r, p in enumerate(payloads)]
     total = sum(s.to(torch.int32) for s in summands).to(torch.int8)
     out = torch.empty(3000)
     assert torch.equal(codec.from_sum(total, payloads[0], 4, out=out), codec.from_sum(total, payloads[0], 4))
@@ -111,9 +115,10 @@ def _workspace_is_allocated_once(rank: int, world: int, method: str) -> dict:
         ("ddp_fp16", {"wire"}),
         # PowerSGD's weights are not adjacent (the biases lie between them): copied; P and Q need the mean
         ("ddp_powersgd", {"mean", "unit"}),
-        # one int8 code per element, written into the unit's kept buffer (the other ranks' stay packed)
-        ("ddp_terngrad", {"own codes"}),
-        ("ddp_diana", {"own codes"}),
+        # the codes drawn straight into their packed bytes behind the scales, in the unit's kept buffer, sent as they
+        # lie there and gathered into a kept buffer too (the other ranks' codes stay packed in it)
+        ("ddp_terngrad", {"own payload", "gathered"}),
+        ("ddp_diana", {"own payload", "gathered"}),
     ],
 )
 def test_compressed_steps_work_in_the_same_kept_buffers_every_step(method: str, roles: set) -> None:

@@ -31,7 +31,7 @@ class Contribution:
     overwrites with the mean: a buffer the caller keeps across steps (never storage the payload
     reads), so that decoding allocates and faults in nothing. ``scratch`` hands out further kept
     buffers (:mod:`lightning_gradcomp.workspace`; its ``"mean"`` buffer is ``out``'s) for the
-    allreduce aggregator's summands.
+    allreduce aggregator's summands and, the first contribution's, the allgather aggregator's gathered bytes.
     """
 
     codec: Compressor
@@ -270,16 +270,21 @@ class AllgatherAggregator(Aggregator):
     def _gather(self, contributions: Sequence[Contribution], collectives: Collectives) -> Pending:
         world, rank = collectives.world_size, collectives.rank
         buffers = [c.payload.to_bytes() for c in contributions]
-        local = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
         fixed = [c.codec.payload_nbytes(c.payload.shape, c.payload.dtype) for c in contributions]
-        if all(size is not None for size in fixed):
+        sizes_fixed = all(size is not None for size in fixed)
+        if sizes_fixed:
             if fixed != [b.numel() for b in buffers]:
                 raise RuntimeError(f"payload sizes {[b.numel() for b in buffers]} differ from the declared {fixed}")
             unit_sizes = [fixed] * world
         else:
-            local_sizes = torch.tensor([b.numel() for b in buffers], dtype=torch.int64, device=local.device)
+            local_sizes = torch.tensor([b.numel() for b in buffers], dtype=torch.int64, device=buffers[0].device)
             unit_sizes = collectives.all_gather(local_sizes).tolist()
-        gathering = collectives.all_gather_bytes_start(local, sizes=[sum(sizes) for sizes in unit_sizes])
+        # the payloads written end to end into this rank's row of the gathered bytes (no joined copy); where their
+        # sizes are fixed, into a buffer kept with the first unit's (sizes that change would reallocate it anyway)
+        scratch, device = contributions[0].scratch, buffers[0].device
+        kept = scratch if sizes_fixed else None
+        into = None if kept is None else (lambda numel: kept("gathered", numel, torch.uint8, device))
+        gathering = collectives.all_gather_bytes_start(buffers, [sum(sizes) for sizes in unit_sizes], into)
 
         def finish() -> list[Aggregate]:
             rows = gathering.wait()

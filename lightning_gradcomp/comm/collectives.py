@@ -8,7 +8,8 @@ launch and wait at once. Bytes are counted at launch, time while this rank is bl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Generic, TypeVar
 
 import torch
@@ -89,40 +90,74 @@ class Collectives:
         """
         return self.all_gather_start(tensor).wait()
 
-    def all_gather_start(self, tensor: Tensor) -> InFlight[Tensor]:
-        """Launch :meth:`all_gather`; ``wait()`` returns the ``(world_size, numel)`` rows."""
-        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        work = _all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
-        nbytes = tensor.numel() * tensor.element_size()
-        self.counter.record(nbytes, out.numel() * out.element_size(), 0.0, dtype_name(tensor))
-        numel = tensor.numel()
-        return InFlight(work, out, self.counter, lambda rows: rows.view(self.world_size, numel))
+    def all_gather_start(self, tensor: Tensor, rows: Tensor | None = None) -> InFlight[Tensor]:
+        """Launch :meth:`all_gather`; ``wait()`` returns the ``(world_size, numel)`` rows.
 
-    def all_gather_bytes(self, buffer: Tensor, sizes: list[int] | None = None) -> list[Tensor]:
+        ``rows``, when given, is the flat output, and ``tensor`` may be this rank's row of it (gathered in place).
+        """
+        numel = tensor.numel()
+        out = torch.empty(self.world_size * numel, dtype=tensor.dtype, device=tensor.device) if rows is None else rows
+        work = _all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
+        nbytes = numel * tensor.element_size()
+        self.counter.record(nbytes, out.numel() * out.element_size(), 0.0, dtype_name(tensor))
+        return InFlight(work, out, self.counter, lambda gathered: gathered.view(self.world_size, numel))
+
+    def all_gather_bytes(
+        self,
+        buffer: Tensor | Sequence[Tensor],
+        sizes: list[int] | None = None,
+        rows: Callable[[int], Tensor] | None = None,
+    ) -> list[Tensor]:
         """Gather a uint8 buffer of any length (zero included) from every rank.
 
-        ``sizes``, when every rank already knows every rank's length, saves the size exchange;
-        otherwise the lengths are gathered first. Buffers are padded to the longest (and to at
-        least one byte, since gloo hangs on empty tensors) and trimmed on return.
+        ``buffer`` may be given in parts (1-D uint8), which are written end to end straight into this rank's row
+        of the output (no joined copy of them). ``sizes``, when every rank already knows every rank's length,
+        saves the size exchange; otherwise the lengths are gathered first. Buffers are padded to the longest
+        (and to at least one byte, since gloo hangs on empty tensors) and trimmed on return. ``rows``: see
+        :meth:`all_gather_bytes_start`.
         """
-        return self.all_gather_bytes_start(buffer, sizes).wait()
+        return self.all_gather_bytes_start(buffer, sizes, rows).wait()
 
-    def all_gather_bytes_start(self, buffer: Tensor, sizes: list[int] | None = None) -> InFlight[list[Tensor]]:
-        """Launch :meth:`all_gather_bytes` (a size exchange, when needed, is waited for first)."""
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-            raise ValueError(f"buffer must be a 1-D uint8 tensor, got {buffer.dtype} with shape {tuple(buffer.shape)}")
+    def all_gather_bytes_start(
+        self,
+        buffer: Tensor | Sequence[Tensor],
+        sizes: list[int] | None = None,
+        rows: Callable[[int], Tensor] | None = None,
+    ) -> InFlight[list[Tensor]]:
+        """Launch :meth:`all_gather_bytes` (a size exchange, when needed, is waited for first).
+
+        ``rows(numel)``, when given, returns the flat uint8 tensor the bytes are gathered into (a kept buffer: no
+        allocation per call); the rows returned are views of it.
+        """
+        parts = [buffer] if isinstance(buffer, Tensor) else list(buffer)
+        if not parts:
+            raise ValueError("buffer must be a tensor or a non-empty sequence of tensors, got no parts")
+        if any(p.dtype != torch.uint8 or p.dim() != 1 for p in parts):
+            shapes = [(p.dtype, tuple(p.shape)) for p in parts]
+            raise ValueError(f"buffer must be 1-D uint8 tensors, got (dtype, shape) {shapes}")
+        numel = sum(p.numel() for p in parts)
+        device = parts[0].device
         if sizes is None:
-            local = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
+            local = torch.tensor([numel], dtype=torch.int64, device=device)
             sizes = self.all_gather(local).reshape(-1).tolist()
-        elif len(sizes) != self.world_size or sizes[self.rank] != buffer.numel():
+        elif len(sizes) != self.world_size or sizes[self.rank] != numel:
             raise ValueError(f"sizes {sizes} do not match world size {self.world_size} and this rank's buffer")
         longest = max(1, max(sizes))
-        if buffer.numel() < longest:
-            padded = torch.zeros(longest, dtype=torch.uint8, device=buffer.device)
-            padded[: buffer.numel()] = buffer
-            buffer = padded
         known = list(sizes)
-        return self.all_gather_start(buffer).then(lambda rows: [row[: known[r]] for r, row in enumerate(rows)])
+        trim = partial(_trimmed, known)
+        total = self.world_size * longest
+        out = torch.empty(total, dtype=torch.uint8, device=device) if rows is None else rows(total)
+        if len(parts) == 1 and numel == longest:  # sent as it lies
+            return self.all_gather_start(parts[0], out).then(trim)
+        own = out[self.rank * longest : (self.rank + 1) * longest]
+        torch.cat(parts, out=own[:numel])
+        own[numel:].zero_()
+        return self.all_gather_start(own, out).then(trim)
+
+
+def _trimmed(sizes: list[int], rows: Tensor) -> list[Tensor]:
+    """Each rank's row cut to its length."""
+    return [row[: sizes[r]] for r, row in enumerate(rows)]
 
 
 def dtype_name(tensor: Tensor) -> str:

@@ -32,14 +32,15 @@ from lightning_gradcomp.compressors.base import STREAM_CHUNK, Payload, all_finit
 from lightning_gradcomp.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.compressors.ternary import (
     LITTLE_ENDIAN,
+    CodePacking,
     PackedCodes,
-    codes_buffer,
     num_blocks,
+    own_wire,
     scale_blocks_,
     stochastic_levels,
     working_dtype,
 )
-from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.compressors.wire import ByteReader
 from lightning_gradcomp.validation import check_int
 from lightning_gradcomp.workspace import Scratch
 
@@ -59,12 +60,13 @@ def codes_nbytes(numel: int, levels: int) -> int:
     return -(-numel // 2) if code_bits(levels) == 4 else numel
 
 
-def pack_levels(codes: Tensor, levels: int) -> Tensor:
+def pack_levels(codes: Tensor, levels: int, out: Tensor | None = None) -> Tensor:
     """The wire form of signed levels: ``c + s`` as bytes, two to a byte (low nibble first) for 4-bit codes; in
-    chunks through a small buffer (uint8 arithmetic wraps, so ``c + s`` up to 254 needs no wider type)."""
+    chunks through a small buffer (uint8 arithmetic wraps, so ``c + s`` up to 254 needs no wider type); into
+    ``out`` when given."""
     biased = codes.reshape(-1).view(torch.uint8)
     numel = biased.numel()
-    packed = torch.empty(codes_nbytes(numel, levels), dtype=torch.uint8, device=codes.device)
+    packed = torch.empty(codes_nbytes(numel, levels), dtype=torch.uint8, device=codes.device) if out is None else out
     if code_bits(levels) == 8:
         return torch.add(biased, levels, out=packed)
     scratch = torch.empty(min(numel, STREAM_CHUNK) + 1, dtype=torch.uint8, device=codes.device)
@@ -82,6 +84,11 @@ def pack_levels(codes: Tensor, levels: int) -> Tensor:
             pairs = chunk.view(-1, 2)
             torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out)
     return packed
+
+
+def level_packing(levels: int) -> CodePacking:
+    """How :func:`pack_levels` lays out levels of ``s = levels``: two to a byte up to 7, one beyond."""
+    return CodePacking(8 // code_bits(levels), lambda codes, out: pack_levels(codes, levels, out=out))
 
 
 def unpack_levels(packed: Tensor, numel: int, levels: int) -> Tensor:
@@ -107,17 +114,23 @@ def unpack_level_range(packed: Tensor, start: int, count: int, levels: int) -> T
         return packed[start : start + count].view(torch.int8).sub(levels)
     first = start // 2
     chunk = packed[first : -(-(start + count) // 2)]
-    pairs = torch.stack([chunk & 0xF, chunk >> 4], dim=1).reshape(-1)
+    if LITTLE_ENDIAN:  # a byte hi << 4 | lo spread over an int16 lane as hi << 8 | lo: the pair, low nibble first
+        lanes = chunk.to(torch.int16)
+        lanes |= lanes << 4
+        pairs = lanes.bitwise_and_(0x0F0F).view(torch.uint8)
+    else:
+        pairs = torch.stack([chunk & 0xF, chunk >> 4], dim=1).reshape(-1)
     offset = start - 2 * first
-    return pairs[offset : offset + count].view(torch.int8).sub(levels)
+    return pairs[offset : offset + count].sub_(levels).view(torch.int8)  # uint8 arithmetic wraps to the int8 bits
 
 
 @dataclass(frozen=True, eq=False)
 class LevelsPayload(PackedCodes, Payload):
     """Signed levels ``c_j`` in ``[-s, s]`` (int8) and one norm per block: element ``j`` is ``N_l c_j / s``.
 
-    A payload received off the wire keeps its levels packed (:class:`~.ternary.PackedCodes`): 4 bits per
-    element of another rank's payload, not an int8.
+    A compressor's payload and one received off the wire keep their levels packed
+    (:class:`~.ternary.PackedCodes`): 4 bits per element, not an int8, in ``packed``, a view of ``wire``, the
+    whole wire form (the norms, then the levels).
     """
 
     stored_codes: Tensor | None
@@ -127,6 +140,7 @@ class LevelsPayload(PackedCodes, Payload):
     block: int
     levels: int
     packed: Tensor | None = None
+    wire: Tensor | None = None
 
     def _unpack_all(self, packed: Tensor) -> Tensor:
         return unpack_levels(packed, self.numel, self.levels)
@@ -146,7 +160,7 @@ class LevelsPayload(PackedCodes, Payload):
         return 4 * self.norms.numel() + codes_nbytes(self.numel, self.levels)
 
     def to_bytes(self) -> Tensor:
-        return to_bytes([self.norms, self.wire_codes()])
+        return self.wire_form(self.norms)
 
     @classmethod
     def from_bytes(
@@ -158,7 +172,7 @@ class LevelsPayload(PackedCodes, Payload):
         packed = reader.take(codes_nbytes(numel, levels), torch.uint8)
         if reader.remaining:
             raise ValueError(f"QSGD payload has {reader.remaining} unexpected trailing bytes")
-        return cls(None, norms, shape, dtype, block, levels, packed=packed)
+        return cls(None, norms, shape, dtype, block, levels, packed=packed, wire=buffer)
 
     def dense(self) -> Tensor:
         """The decoded flat tensor, in float32 (or float64 for float64 gradients)."""
@@ -262,10 +276,12 @@ class QSGDCompressor(BlockQuantizer):
         norms = self.norms(g)
         inverse = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
         # one level up with probability frac(u_j), u_j = |g_j| s / norm: the ternary draw of the fraction (8 random
-        # bits per element, exact in fp32), chunk by chunk with the floor (stochastic_levels), into the unit's
-        # kept buffer when the hook hands it over
-        codes = stochastic_levels(g, inverse, block, generator, out=codes_buffer(scratch, g.numel(), g.device))
-        return LevelsPayload(codes, norms.to(torch.float32), x.shape, x.dtype, block, self.levels)
+        # bits per element, exact in fp32), chunk by chunk with the floor (stochastic_levels), packed behind the
+        # norms as it is drawn, in the unit's kept buffer when the hook hands it over
+        packing = level_packing(self.levels)
+        wire, kept_norms, packed = own_wire(scratch, norms.to(torch.float32), packing, g.numel())
+        stochastic_levels(g, inverse, block, generator, packing, packed, levels=self.levels)
+        return LevelsPayload(None, kept_norms, x.shape, x.dtype, block, self.levels, packed=packed, wire=wire)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
         return LevelsPayload.from_bytes(buffer, shape, dtype, self._block(shape.numel()), self.levels)

@@ -36,9 +36,10 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
+    TERNARY_PACKING,
     TernaryPayload,
-    codes_buffer,
     num_blocks,
+    own_wire,
     packed_nbytes,
     stochastic_ternary,
     working_dtype,
@@ -127,12 +128,14 @@ class BlockQuantizer(Compressor):
         scratch: Scratch | None = None,
     ) -> TernaryPayload:
         """Quantize ``x``: element ``j`` of block ``l`` is kept (as ``sign * ||x_l||_p``) w.p. ``|x_j| / ||x_l||_p``
-        (the codes into the unit's kept buffer when ``scratch`` is given)."""
+        (the codes drawn into their packed bytes behind the norms, in the unit's kept buffer when ``scratch`` is
+        given)."""
         g = x.detach().reshape(-1).to(torch.float32)
         block = self._block(g.numel())
         norms = self.norms(g)
-        codes = stochastic_ternary(g, norms, block, generator, out=codes_buffer(scratch, g.numel(), g.device))
-        return TernaryPayload(codes, norms, x.shape, x.dtype, block)
+        wire, kept_norms, packed = own_wire(scratch, norms, TERNARY_PACKING, g.numel())
+        stochastic_ternary(g, norms, block, generator, packed=packed)
+        return TernaryPayload(None, kept_norms, x.shape, x.dtype, block, packed=packed, wire=wire)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:
         block = self._block(shape.numel())

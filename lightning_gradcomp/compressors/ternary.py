@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -37,8 +37,9 @@ def packed_nbytes(numel: int) -> int:
     return -(-numel // CODES_PER_BYTE)
 
 
-def pack_2bit(codes: Tensor) -> Tensor:
-    """Pack int8 codes in ``{-1, 0, 1}`` (any shape, read in flat order) into ``ceil(n / 4)`` uint8 bytes.
+def pack_2bit(codes: Tensor, out: Tensor | None = None) -> Tensor:
+    """Pack int8 codes in ``{-1, 0, 1}`` (any shape, read in flat order) into ``ceil(n / 4)`` uint8 bytes
+    (into ``out`` when given).
 
     Values outside ``{-1, 0, 1}`` are not checked (that would cost a pass over the codes on the hot
     path) and do not round-trip.
@@ -47,7 +48,7 @@ def pack_2bit(codes: Tensor) -> Tensor:
         raise ValueError(f"codes must be an int8 tensor, got {codes.dtype}")
     flat = codes.reshape(-1)
     numel = flat.numel()
-    packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8, device=codes.device)
+    packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8, device=codes.device) if out is None else out
     # in chunks through one small buffer: no temporaries of the codes' size (their page faults cost more
     # than the packing on a 25M-element model)
     biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, STREAM_CHUNK), dtype=torch.uint8, device=codes.device)
@@ -89,12 +90,15 @@ def unpack_2bit_range(packed: Tensor, start: int, count: int) -> Tensor:
 
 
 class PackedCodes:
-    """One small integer code per element, held as int8 (``stored_codes``: this rank's own) or still packed as it
-    travelled (``packed``: another rank's, decoded a chunk at a time where it is added, so it costs its wire
-    bits per element, never an int8). For the payloads of ternary codes and of QSGD's levels."""
+    """One small integer code per element, held as int8 (``stored_codes``) or packed as it travels (``packed``:
+    decoded a chunk at a time where it is added, so it costs its wire bits per element, never an int8). For the
+    payloads of ternary codes and of QSGD's levels. A compressor draws its codes straight into their packed
+    bytes behind the scales (:func:`own_wire`), and a received payload keeps the bytes it arrived in: either way
+    the whole wire form is ``wire``, sent as it is."""
 
     stored_codes: Tensor | None
     packed: Tensor | None
+    wire: Tensor | None
 
     def _unpack_all(self, packed: Tensor) -> Tensor:
         """Every code of ``packed``, int8."""
@@ -110,7 +114,7 @@ class PackedCodes:
 
     @cached_property
     def codes(self) -> Tensor:
-        """The int8 codes, flat (decoded whole from :attr:`packed` for a received payload)."""
+        """The int8 codes, flat (decoded whole from :attr:`packed` when they are held packed)."""
         if self.stored_codes is not None:
             return self.stored_codes
         assert self.packed is not None
@@ -124,11 +128,71 @@ class PackedCodes:
         return self._unpack_range(self.packed, start, count)
 
     def wire_codes(self) -> Tensor:
-        """The codes as they travel: the packed bytes received, or this rank's codes packed."""
+        """The codes as they travel: the packed bytes, or the stored codes packed."""
         if self.stored_codes is None:
             assert self.packed is not None
             return self.packed
         return self._pack(self.stored_codes)
+
+    def wire_form(self, header: Tensor) -> Tensor:
+        """The payload as it travels: :attr:`wire` when the bytes already lie together, else ``header`` (the fp32
+        scales) and the packed codes joined."""
+        return self.wire if self.wire is not None else to_bytes([header.to(torch.float32), self.wire_codes()])
+
+    def codes_into(self, out: Tensor) -> Tensor:
+        """Every code written into the flat integer tensor ``out``, a chunk at a time (no int8 copy of them all)."""
+        for start in range(0, out.numel(), STREAM_CHUNK):
+            n = min(STREAM_CHUNK, out.numel() - start)
+            out[start : start + n].copy_(self.code_range(start, n))
+        return out
+
+
+@dataclass(frozen=True)
+class CodePacking:
+    """How a compressor's int8 codes become wire bytes, so that they can be drawn straight into them.
+
+    ``per_byte`` codes share a byte: code ``j`` is the field of ``8 // per_byte`` bits at bit
+    ``(8 // per_byte) * (j % per_byte)`` of byte ``j // per_byte``, holding ``c`` plus a fixed offset;
+    ``pack(codes, out)`` writes a run of codes that starts at a multiple of ``per_byte`` into its bytes.
+    """
+
+    per_byte: int
+    pack: Callable[[Tensor, Tensor], Tensor]
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of ``numel`` packed codes."""
+        return -(-numel // self.per_byte)
+
+    def step_(self, packed: Tensor, positions: Tensor, steps: Tensor) -> Tensor:
+        """Add the small int8 ``steps`` to the codes at ``positions`` (int64), in their bytes, in place.
+
+        A field holds ``c`` plus an offset, so a step that keeps the code in its range never carries into the next
+        field: adding ``step << shift`` to the byte (uint8 arithmetic wraps) is exact, and steps into one byte add up.
+        """
+        bits = 8 // self.per_byte
+        shifted = steps.to(torch.int32) << (positions % self.per_byte).to(torch.int32) * bits
+        return packed.index_add_(0, positions // self.per_byte, shifted.to(torch.uint8))
+
+
+#: Ternary codes at 2 bits each (:func:`pack_2bit`).
+TERNARY_PACKING = CodePacking(CODES_PER_BYTE, lambda codes, out: pack_2bit(codes, out=out))
+
+
+def own_wire(
+    scratch: Scratch | None, header: Tensor, packing: CodePacking, numel: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's payload laid out as it travels: the fp32 ``header`` (scales, norms) written in front, and the
+    region its ``numel`` packed codes are drawn into behind it, in the unit's kept buffer when there is
+    ``scratch``. Returns the whole buffer, the header's fp32 view in it and the codes' region."""
+    front = 4 * header.numel()
+    nbytes = front + packing.nbytes(numel)
+    device = header.device
+    if scratch is None:
+        wire = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    else:
+        wire = scratch("own payload", nbytes, torch.uint8, device)
+    kept_header = wire[:front].view(torch.float32).copy_(header.reshape(-1))
+    return wire, kept_header, wire[front:]
 
 
 # Two implementations of the same byte layout. The word form works on contiguous int32 lanes (about
@@ -209,7 +273,7 @@ def stochastic_ternary(
     block_size: int,
     generator: torch.Generator | None = None,
     cap: Tensor | None = None,
-    out: Tensor | None = None,
+    packed: Tensor | None = None,
 ) -> Tensor:
     """Codes ``sign(g_j) * xi_j`` (int8), ``xi_j ~ Bernoulli(min(|g_j|, cap) / s_l)``, exact from 8 random bits.
 
@@ -229,13 +293,22 @@ def stochastic_ternary(
     uniform int64 words read as bytes; then one ``torch.rand`` of the tied elements in index order.
     The work runs in chunks of about :data:`ENCODE_CHUNK` elements through small scratch tensors; the
     words are drawn chunk by chunk (whole words per chunk), which is the same stream as one draw of all.
-    The codes are written into ``out`` (int8, ``g``'s size) when it is given.
+    With ``packed`` (:func:`packed_nbytes` bytes) the codes are packed into it as they are drawn
+    (:func:`pack_2bit`'s bytes, the tied elements' steps added in place) and it is returned: no int8 tensor of
+    ``g``'s size.
     """
-    return _stochastic_codes(g, keep_levels(scales.to(torch.float32)), block_size, generator, cap, out=out)
+    multipliers = keep_levels(scales.to(torch.float32))
+    return _stochastic_codes(g, multipliers, block_size, generator, cap, packing=TERNARY_PACKING, packed=packed)
 
 
 def stochastic_levels(
-    g: Tensor, multipliers: Tensor, block_size: int, generator: torch.Generator | None = None, out: Tensor | None = None
+    g: Tensor,
+    multipliers: Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    packing: CodePacking | None = None,
+    packed: Tensor | None = None,
+    levels: float | None = None,
 ) -> Tensor:
     """QSGD's codes ``sign(g_j) (floor(u_j) + xi_j)`` (int8), ``u_j = |g_j| m_l``, ``xi_j ~ Bernoulli(frac(u_j))``.
 
@@ -243,9 +316,12 @@ def stochastic_levels(
     the level below ``u_j``, one up with the probability of its fractional part. The draw is
     :func:`stochastic_ternary`'s, of ``sign(g_j) frac(u_j)`` against a scale of 1 (exact in fp32: the
     fraction times 256), in the same draw order, computed chunk by chunk with the floor: no tensor of the
-    gradient's size besides the codes (written into ``out``, int8 of ``g``'s size, when given).
+    gradient's size besides the codes, packed by ``packing`` into ``packed`` as they are drawn when
+    ``packed`` is given (then returned). ``levels``, when given, is ``s``: ``u_j`` is clamped to it, since
+    ``|g_j| (s / N)`` can round above ``s`` where one element holds its block's whole norm.
     """
-    return _stochastic_codes(g, multipliers, block_size, generator, None, fractional=True, out=out)
+    top = None if levels is None else torch.tensor(float(levels), dtype=g.dtype, device=g.device)
+    return _stochastic_codes(g, multipliers, block_size, generator, top, True, packing, packed)
 
 
 def _stochastic_codes(
@@ -255,17 +331,22 @@ def _stochastic_codes(
     generator: torch.Generator | None,
     cap: Tensor | None,
     fractional: bool = False,
-    out: Tensor | None = None,
+    packing: CodePacking | None = None,
+    packed: Tensor | None = None,
 ) -> Tensor:
     """The chunked two-stage draw behind :func:`stochastic_ternary` (``q = min(|g|, cap) m``) and
-    :func:`stochastic_levels` (``fractional``: ``u = |g| m``, ``q = 256 frac(u)``, codes from ``floor(u)`` up),
-    into ``out`` (int8, ``g``'s size) or a fresh tensor."""
+    :func:`stochastic_levels` (``fractional``: ``u = min(|g| m, cap)``, ``q = 256 frac(u)``, codes from
+    ``floor(u)`` up): int8 codes of ``g``'s size, or with ``packed`` each chunk's codes packed into it."""
     numel = g.numel()
-    codes = torch.empty(numel, dtype=torch.int8, device=g.device) if out is None else out
-    # whole blocks per chunk when there are several, and whole random words
+    # whole blocks per chunk when there are several, and whole random words (so whole packed bytes)
     step = 8 if block_size >= numel else math.lcm(block_size, 8)
     chunk = step * max(1, ENCODE_CHUNK // step)
     size = min(chunk, numel)
+    if packed is None:
+        codes = torch.empty(numel, dtype=torch.int8, device=g.device)
+    else:
+        assert packing is not None and packed.numel() == packing.nbytes(numel)
+        codes = torch.empty(size, dtype=torch.int8, device=g.device)  # one chunk's, packed before the next
     words = torch.empty(-(-size // 8), dtype=torch.int64, device=g.device)
     level = torch.empty(size, dtype=torch.float32, device=g.device)
     # u and its floor in the gradient's precision (fp64 stays fp64), the fraction then rounded to fp32
@@ -286,6 +367,8 @@ def _stochastic_codes(
         blocks = multipliers[start // block_size : -(-stop // block_size)]
         if fractional:  # the level below u, and the fraction above it as a probability out of 256 (exact)
             u = scale_blocks_(torch.abs(g[start:stop], out=wide[:n]), blocks, block_size)
+            if cap is not None:
+                u.clamp_(max=cap)
             q.copy_(u.sub_(torch.floor(u, out=below[:n]))).mul_(DRAW_LEVELS)
         else:
             torch.abs(g[start:stop], out=q)
@@ -304,17 +387,25 @@ def _stochastic_codes(
         if ties.numel():
             tie_indices.append(ties + start)
             tie_fractions.append(q[ties].sub_(n8[ties]))
-        out = codes[start:stop]
+        out = codes[start:stop] if packed is None else codes[:n]
         if fractional:  # sign(g) (floor(u) + xi), small integers: exact
             out.copy_(torch.sign(g[start:stop], out=wide[:n]).mul_(below[:n].add_(step_up[:n])))
         else:
             out.copy_(torch.sign(g[start:stop], out=q)).mul_(kept.view(torch.int8))  # q is free: ties are taken
+        if packed is not None:
+            assert packing is not None
+            packing.pack(out, packed[start // packing.per_byte : packing.nbytes(stop)])
     if tie_indices:  # a tie steps one level away from zero where its second uniform wins
         ties = torch.cat(tie_indices)
         second = torch.rand(ties.numel(), generator=generator, device=g.device, dtype=torch.float32)
         won = (second < torch.cat(tie_fractions)).to(torch.int8)
-        codes.index_add_(0, ties, torch.sign(g.index_select(0, ties)).to(torch.int8) * won)
-    return codes
+        steps = torch.sign(g.index_select(0, ties)).to(torch.int8) * won
+        if packed is None:
+            codes.index_add_(0, ties, steps)
+        else:
+            assert packing is not None
+            packing.step_(packed, ties, steps)
+    return codes if packed is None else packed
 
 
 @dataclass(frozen=True, eq=False)
@@ -324,7 +415,7 @@ class TernaryPayload(PackedCodes, Payload):
     Wire form: the scales (fp32, one per block), then the codes packed 2 bits each:
     ``4 * blocks + ceil(numel / 4)`` bytes.
 
-    A payload received off the wire keeps its codes packed (:class:`PackedCodes`).
+    A compressor's payload and one received off the wire keep their codes packed (:class:`PackedCodes`).
 
     Attributes:
         stored_codes: int8, flat, values in ``{-1, 0, 1}`` (``None`` when they are only ``packed``).
@@ -333,7 +424,8 @@ class TernaryPayload(PackedCodes, Payload):
         dtype: the gradient's dtype, which decoding returns.
         block_size: elements per scale (the last block may be shorter).
         shared: whether ``scales`` is a scale agreed on by every rank (TernGrad's scaler sharing).
-        packed: the codes as they travel (:func:`pack_2bit`), when the payload came off the wire.
+        packed: the codes as they travel (:func:`pack_2bit`), when they were drawn or received packed.
+        wire: the whole wire form, when the scales and packed codes lie in it (drawn or received so).
     """
 
     stored_codes: Tensor | None
@@ -343,6 +435,7 @@ class TernaryPayload(PackedCodes, Payload):
     block_size: int
     shared: bool = False
     packed: Tensor | None = None
+    wire: Tensor | None = None
 
     def _unpack_all(self, packed: Tensor) -> Tensor:
         return unpack_2bit(packed, self.numel)
@@ -362,7 +455,7 @@ class TernaryPayload(PackedCodes, Payload):
         return 4 * self.scales.numel() + packed_nbytes(self.numel)
 
     def to_bytes(self) -> Tensor:
-        return to_bytes([self.scales.to(torch.float32), self.wire_codes()])
+        return self.wire_form(self.scales)
 
     @classmethod
     def from_bytes(
@@ -375,7 +468,8 @@ class TernaryPayload(PackedCodes, Payload):
             raise ValueError(f"ternary payload of {buffer.numel()} bytes, expected {expected} for shape {tuple(shape)}")
         reader = ByteReader(buffer)
         scales = reader.take(blocks, torch.float32)
-        return cls(None, scales, shape, dtype, block_size, packed=reader.take(packed_nbytes(numel), torch.uint8))
+        packed = reader.take(packed_nbytes(numel), torch.uint8)
+        return cls(None, scales, shape, dtype, block_size, packed=packed, wire=buffer)
 
     def entries(self) -> TernarySlice:
         return TernarySlice(self, 0, self.numel)
@@ -461,11 +555,6 @@ class TernarySlice:
             raise ValueError(f"slice sizes {list(numels)} do not add up to {self.numel}")
         starts = accumulate(numels[:-1], initial=self.start)
         return [TernarySlice(self.payload, start, n) for start, n in zip(starts, numels, strict=True)]
-
-
-def codes_buffer(scratch: Scratch | None, numel: int, device: torch.device) -> Tensor | None:
-    """The unit's kept int8 buffer for this rank's own codes (``None`` without scratch: a fresh tensor then)."""
-    return None if scratch is None else scratch("own codes", numel, torch.int8, device)
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

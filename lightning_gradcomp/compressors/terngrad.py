@@ -24,8 +24,9 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor, Payload
 from lightning_gradcomp.compressors.ternary import (
     ENCODE_CHUNK,
+    TERNARY_PACKING,
     TernaryPayload,
-    codes_buffer,
+    own_wire,
     packed_nbytes,
     stochastic_ternary,
     working_dtype,
@@ -128,8 +129,8 @@ class TernGradCompressor(Compressor):
         """Ternarize ``x`` with its own scaler, or with the shared ``scale`` (never below its own).
 
         ``local_scale``, when given, is this rank's :meth:`local_scale` of ``x`` (the hook computed it
-        to agree on ``scale``), so its reductions do not run twice; ``scratch``, the unit's kept buffers,
-        receive the codes.
+        to agree on ``scale``), so its reductions do not run twice; the codes are drawn straight into their
+        packed bytes behind the scaler, in the unit's kept buffer when there is ``scratch``.
         """
         if local_scale is None:
             g, local = self._prepare(x)
@@ -141,9 +142,10 @@ class TernGradCompressor(Compressor):
             used = torch.maximum(scale.detach().to(device=g.device, dtype=torch.float32).reshape(()), local)
         # A shared scaler above this rank's own: clipped elements keep probability s / S, not |g| / S.
         cap = local if scale is not None and self.clip_sigma > 0 else None
-        out = codes_buffer(scratch, g.numel(), g.device)
-        codes = stochastic_ternary(g, used.reshape(1), max(1, g.numel()), generator, cap=cap, out=out)
-        return TernaryPayload(codes, used.reshape(1), x.shape, x.dtype, max(1, g.numel()), shared=scale is not None)
+        wire, scales, packed = own_wire(scratch, used.reshape(1), TERNARY_PACKING, g.numel())
+        stochastic_ternary(g, used.reshape(1), max(1, g.numel()), generator, cap=cap, packed=packed)
+        shared = scale is not None
+        return TernaryPayload(None, scales, x.shape, x.dtype, max(1, g.numel()), shared, packed=packed, wire=wire)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> TernaryPayload:
         return TernaryPayload.from_bytes(buffer, shape, dtype, max(1, shape.numel()), 1)
@@ -198,12 +200,12 @@ class TernGradCompressor(Compressor):
                 "TernGrad codes can only be summed across ranks when every rank used the same scaler: "
                 "use share_scale=True (the hook then passes the MAX over ranks as `scale`) or aggregator='allgather'"
             )
-        # a copy: the allreduce sums in place, and the payload's own codes are still read afterwards
-        codes = payload.codes
-        dtype = codes.dtype if world_size <= INT8_WORLD_LIMIT else torch.int32
+        # the allreduce sums in place: the codes unpacked into a buffer of their own (the unit's kept one)
+        dtype = torch.int8 if world_size <= INT8_WORLD_LIMIT else torch.int32
+        numel, device = payload.numel, payload.device
         if scratch is None:
-            return codes.to(dtype, copy=True)
-        return scratch("codes", codes.numel(), dtype, codes.device).copy_(codes)
+            return payload.codes_into(torch.empty(numel, dtype=dtype, device=device))
+        return payload.codes_into(scratch("codes", numel, dtype, device))
 
     def from_sum(self, total: Tensor, payload: Payload, world_size: int, out: Tensor | None = None) -> Tensor:
         """``round(sum(codes) * S) / P`` in the gradient's dtype (the same rounding as :meth:`accumulate`)."""
