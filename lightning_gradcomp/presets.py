@@ -6,9 +6,12 @@ The same names are registered with the Trainer (``Trainer(strategy="ddp_topk")``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.strategies import _StrategyRegistry
+
+from lightning_gradcomp.validation import check_choice
 
 #: The Top-k family's density in the presets, outside Accordion's critical regimes (four times it inside them):
 #: Accordion's own Top-k setting keeps 1% of the entries outside critical regimes (Agarwal et al., MLSys 2021,
@@ -100,9 +103,44 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: ``DistributedDataParallel`` options that Lightning names as variants of its own DDP strategy
+#: (``ddp_find_unused_parameters_true``): every preset is registered with the same suffix too
+#: (``ddp_topk_find_unused_parameters_true``).
+DDP_VARIANTS: dict[str, dict[str, Any]] = {"find_unused_parameters_true": {"find_unused_parameters": True}}
+
+#: The dict-valued arguments, each with the argument whose method it configures: an override of the dict updates the
+#: preset's key by key, unless that method is replaced too.
+_NESTED = {"compressor_kwargs": "compressor", "memory_kwargs": "memory", "adaptive_kwargs": "adaptive"}
+
+
+def preset_arguments(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of the named strategy ``name`` with ``overrides`` applied.
+
+    Every argument given replaces the preset's, DDP's own included (``find_unused_parameters``, ``static_graph``,
+    ``gradient_as_bucket_view``, ``bucket_cap_mb``), except a ``*_kwargs`` dict, which updates the preset's key by
+    key while its method (``compressor``, ``memory``, ``adaptive``) stays the preset's: ``ddp_powersgd`` with
+    ``compressor_kwargs={"min_compression_rate": 4.0}`` keeps its rank 4. A method replaced drops the preset's
+    arguments for it.
+    """
+    check_choice("preset", name, sorted(NAMED_STRATEGIES))
+    arguments = dict(NAMED_STRATEGIES[name][1])
+    for nested, method in _NESTED.items():  # another method does not take the preset's method's arguments
+        if method in overrides and nested not in overrides:
+            arguments.pop(nested, None)
+    for key, value in overrides.items():
+        kept = arguments.get(key)
+        merge = isinstance(kept, dict) and isinstance(value, Mapping) and _NESTED.get(key) not in overrides
+        arguments[key] = {**kept, **value} if merge else value  # type: ignore[dict-item]
+    return arguments
+
+
 def register_presets(registry: _StrategyRegistry, cls: type, strategy_name: str) -> None:
-    """Register ``cls`` in ``registry`` as ``strategy_name`` (configured by arguments) and as every preset."""
+    """Register ``cls`` in ``registry`` as ``strategy_name`` (configured by arguments), as every preset, and as every
+    preset's :data:`DDP_VARIANTS`."""
     registry.register(strategy_name, cls, description="DDP with gradient compression (configure via arguments)",
                       override=True)  # fmt: skip
     for name, (description, init_params) in NAMED_STRATEGIES.items():
         registry.register(name, cls, description=description, override=True, **init_params)
+        for suffix, options in DDP_VARIANTS.items():
+            registry.register(f"{name}_{suffix}", cls, description=f"{description}; {suffix.replace('_', ' ')}",
+                              override=True, **init_params, **options)  # fmt: skip

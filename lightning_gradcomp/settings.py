@@ -16,7 +16,7 @@ import inspect
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -30,6 +30,7 @@ from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, 
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
+from lightning_gradcomp.presets import preset_arguments
 from lightning_gradcomp.schedule import DensityWarmup, WarmupSchedule
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
 from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_number
@@ -65,9 +66,19 @@ def refuse_density_schedule(density_schedule: Sequence[float] | None, where: str
         )
 
 
+_Settings = TypeVar("_Settings", bound="CompressionSettings")
+
+
 class CompressionSettings:
     """What to compress and how, validated where it enters; see :class:`~lightning_gradcomp.GradCompStrategy`
     for every argument. ``gradcomp_hook`` is the hook once :meth:`install_hook` ran (``None`` before)."""
+
+    @classmethod
+    def from_preset(cls: type[_Settings], name: str, **overrides: Any) -> _Settings:
+        """The named strategy ``name`` (``"ddp_topk"``, ...) with any argument changed, DDP's own included:
+        ``GradCompStrategy.from_preset("ddp_topk", find_unused_parameters=True, density=0.05)``. A ``*_kwargs``
+        dict updates the preset's key by key (:func:`~lightning_gradcomp.presets.preset_arguments`)."""
+        return cls(**preset_arguments(name, overrides))
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import _augment_message
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -27,6 +28,18 @@ _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "
 __all__ = [
     "GradCompStrategy",
 ]
+
+
+#: What ``DistributedDataParallel`` raises when parameters got no gradient in the previous step.
+UNUSED_PARAMETERS_ERROR = ".*Expected to have finished reduction in the prior iteration.*"
+#: What a compressed strategy says instead.
+UNUSED_PARAMETERS_ADVICE = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step. If this is intentional, enable the detection of unused parameters in DDP and keep the "
+    "compression: strategy='<preset>_find_unused_parameters_true' (e.g. 'ddp_topk_find_unused_parameters_true'), "
+    "GradCompStrategy.from_preset('<preset>', find_unused_parameters=True), or "
+    "GradCompStrategy(..., find_unused_parameters=True)."
+)
 
 
 class GradCompStrategy(CompressionSettings, DDPStrategy):
@@ -160,6 +173,13 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """DDP's error for parameters that got no gradient names the compressed ways to allow them (Lightning's own
+        advice, ``strategy="ddp_find_unused_parameters_true"``, would drop the compression)."""
+        _augment_message(exception, pattern=UNUSED_PARAMETERS_ERROR, new_message=UNUSED_PARAMETERS_ADVICE)
+        super().on_exception(exception)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -27,9 +27,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.hook import GradCompHook
-from lightning_gradcomp.presets import NAMED_STRATEGIES
+from lightning_gradcomp.presets import preset_arguments
 from lightning_gradcomp.settings import SETTINGS, CompressionSettings, refuse_density_schedule
-from lightning_gradcomp.validation import check_choice
 
 
 def make_hook(
@@ -46,7 +45,8 @@ def make_hook(
     Args:
         model: the ``DistributedDataParallel`` (its module and process group are used) or the module it wraps.
         preset: a named strategy (``"ddp_topk"``, ...; see :data:`~lightning_gradcomp.NAMED_STRATEGIES`) whose
-            arguments are the defaults of ``settings``.
+            arguments are the defaults of ``settings`` (a ``*_kwargs`` dict updates the preset's key by key:
+            :func:`~lightning_gradcomp.presets.preset_arguments`).
         group: the process group of the exchange when ``model`` is not a ``DistributedDataParallel`` (default:
             the world).
         node_id: this rank's node under ``hierarchy="node"`` (default: torchrun's ``GROUP_RANK``, else the host).
@@ -56,8 +56,6 @@ def make_hook(
 
     Every rank must call it: it checks, in one gather, that all ranks were given the same settings.
     """
-    if preset is not None:
-        check_choice("preset", preset, sorted(NAMED_STRATEGIES))
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a DistributedDataParallel, got {type(model).__name__}")
     refuse_density_schedule(settings.pop("density_schedule", None), "a plain torch loop")
@@ -69,7 +67,7 @@ def make_hook(
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise ValueError(f"make_hook got unknown arguments {unknown}; the settings are {sorted(SETTINGS)}")
-    arguments = {**(NAMED_STRATEGIES[preset][1] if preset is not None else {}), **settings}
+    arguments = preset_arguments(preset, settings) if preset is not None else settings
     config = CompressionSettings(**arguments)
     if isinstance(model, DistributedDataParallel):
         if group is not None and group != model.process_group:

@@ -1,0 +1,134 @@
+"""Presets combined with any argument, DDP's own included: ``from_preset``, ``make_hook(preset=...)`` and the
+registered ``*_find_unused_parameters_true`` names, down to a 2-rank run of a model whose auxiliary head sits out
+every other step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+from models import TinyClassifier, fit, teacher_task
+from ranks import run_ranks
+from torch import nn
+
+from lightning_gradcomp import NAMED_STRATEGIES, GradCompFabricStrategy, GradCompStrategy
+from lightning_gradcomp.presets import DDP_VARIANTS, preset_arguments
+from lightning_gradcomp.strategy import UNUSED_PARAMETERS_ADVICE
+
+
+def test_a_preset_takes_any_argument_ddp_options_included() -> None:
+    strategy = GradCompStrategy.from_preset(
+        "ddp_topk",
+        find_unused_parameters=True,
+        static_graph=False,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=5,
+        density=0.05,
+    )
+    assert strategy._ddp_kwargs == {
+        "find_unused_parameters": True,
+        "static_graph": False,
+        "gradient_as_bucket_view": True,
+        "bucket_cap_mb": 5,
+    }
+    assert strategy.compressor.density == 0.05  # the override, under the preset's bf16 wire
+    assert strategy.compressor.name == "topk" and strategy.memory.name == "ef" and strategy.keep_last_layer_dense
+    assert strategy.granularity == "model" and strategy.schedule.critical_density == 4 * 0.05
+    fabric = GradCompFabricStrategy.from_preset("ddp_terngrad", static_graph=True)
+    assert isinstance(fabric, GradCompFabricStrategy) and fabric._ddp_kwargs == {"static_graph": True}
+    assert fabric.compressor.name == "terngrad" and fabric.keep_last_layer_dense
+
+
+def test_a_kwargs_override_updates_the_presets_unless_its_method_is_replaced() -> None:
+    kept = GradCompStrategy.from_preset("ddp_powersgd", compressor_kwargs={"min_compression_rate": 4.0})
+    assert (kept.compressor.rank, kept.compressor.min_compression_rate) == (4, 4.0)
+    assert preset_arguments("ddp_powersgd", {"compressor": "topk", "compressor_kwargs": {"density": 0.1}})[
+        "compressor_kwargs"
+    ] == {"density": 0.1}
+    replaced = GradCompStrategy.from_preset("ddp_powersgd", compressor="topk")  # rank 4 does not follow it
+    assert replaced.compressor.name == "topk"
+    assert NAMED_STRATEGIES["ddp_powersgd"][1]["compressor_kwargs"] == {"rank": 4}  # the table is left alone
+
+
+def test_a_bad_preset_or_argument_is_refused_by_name() -> None:
+    names = sorted(NAMED_STRATEGIES)
+    with pytest.raises(ValueError) as refused:
+        GradCompStrategy.from_preset("ddp_top")
+    assert str(refused.value) == f"preset must be one of {names}, got 'ddp_top'"
+    with pytest.raises(ValueError, match=r"^density must be a number in \(0, 1\], got 2$"):
+        GradCompStrategy.from_preset("ddp_topk", density=2)
+    with pytest.raises(ValueError, match=r"installs its own communication hook; do not pass \['ddp_comm_hook'\]"):
+        GradCompStrategy.from_preset("ddp_topk", ddp_comm_hook=print)
+
+
+@pytest.mark.parametrize("registry", [StrategyRegistry, STRATEGY_REGISTRY], ids=["trainer", "fabric"])
+def test_every_preset_is_registered_with_lightnings_ddp_variants(registry: dict) -> None:
+    for name, (_, params) in NAMED_STRATEGIES.items():
+        for suffix, options in DDP_VARIANTS.items():
+            assert registry[f"{name}_{suffix}"]["init_params"] == {**params, **options}
+    strategy = StrategyRegistry.get("ddp_diana_find_unused_parameters_true")
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True} and strategy.memory.name == "diana"
+
+
+class SometimesAuxiliary(TinyClassifier):
+    """An auxiliary head (2048 weights, compressed) that joins the loss on even steps only: on odd steps its
+    parameters get no gradient, which DDP handles only with ``find_unused_parameters=True``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(32, 64)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0:
+            loss = loss + 0.01 * self.aux(batch[0]).pow(2).mean()
+        return loss
+
+
+def _loss(model: TinyClassifier) -> float:
+    x, y = teacher_task().tensors
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model(x), y))
+
+
+def _unused_branch(rank: int, world_size: int) -> dict:
+    strategies = {
+        "ddp_topk_find_unused_parameters_true": "ddp_topk_find_unused_parameters_true",  # the registered name
+        "ddp_terngrad": GradCompStrategy.from_preset("ddp_terngrad", find_unused_parameters=True),
+        "ddp_diana": GradCompStrategy.from_preset("ddp_diana", find_unused_parameters=True, bucket_cap_mb=0.005),
+    }
+    results = {}
+    for case, strategy in strategies.items():
+        torch.manual_seed(0)
+        before = _loss(SometimesAuxiliary())
+        model, trainer = fit(strategy, world_size, 12, model_class=SometimesAuxiliary)
+        hook = trainer.strategy.gradcomp_hook
+        compressed = [s for s in hook.history if s.compressed]
+        results[case] = {
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "before": before,
+            "after": _loss(model),
+            "compressed": len(compressed),
+            "bytes": (sum(s.bytes_sent for s in compressed), sum(s.dense_bytes for s in compressed)),
+        }
+    try:  # the preset alone: DDP refuses the step after one that left the head out, naming the compressed ways
+        fit("ddp_topk", world_size, 4, model_class=SometimesAuxiliary)
+        results["refused"] = None
+    except RuntimeError as err:
+        results["refused"] = str(err)
+    return results
+
+
+def test_a_branch_that_sits_out_every_other_step_trains_under_presets_with_find_unused_parameters() -> None:
+    ranks = run_ranks(_unused_branch, 2, init=False, timeout=400)
+    assert [r.pop("refused") for r in ranks] == [UNUSED_PARAMETERS_ADVICE] * 2
+    for case, first in ranks[0].items():
+        other = ranks[1][case]
+        assert first["weights"].keys() == other["weights"].keys()
+        for key, value in first["weights"].items():
+            assert torch.equal(value, other["weights"][key]), (case, key)  # ranks bit-identical
+        assert first["after"] < first["before"], case
+        assert first["compressed"] >= 10, case  # every step after the first warm-up one
+        sent, dense = first["bytes"]
+        assert sent < dense, case
