@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.memory import MEMORIES
+from lightning_gradcomp.presets import DDP_VARIANTS
 from lightning_gradcomp.strategy import GradCompStrategy
 
 #: The command's name.
@@ -29,7 +30,10 @@ def gradcomp_strategies() -> dict[str, str]:
 
 def registry_help() -> str:
     """What is registered: strategies, compressors, memories and aggregators, for ``gradcomp --help``."""
-    strategies = {"ddp": "Lightning's DDP, uncompressed: the dense baseline", **gradcomp_strategies()}
+    # the presets' DDP variants (``<preset>_find_unused_parameters_true``) as one line each, not one per preset
+    named = {n: d for n, d in gradcomp_strategies().items() if not any(n.endswith(f"_{s}") for s in DDP_VARIANTS)}
+    variants = {f"<preset>_{suffix}": f"any preset above with {options}" for suffix, options in DDP_VARIANTS.items()}
+    strategies = {"ddp": "Lightning's DDP, uncompressed: the dense baseline", **named, **variants}
     width = max(map(len, [*strategies, *COMPRESSORS])) + 2
     lines = ["registered strategies (--trainer.strategy=NAME):"]
     lines += [f"  {name:<{width}}{desc}" for name, desc in strategies.items()]

@@ -120,12 +120,12 @@ def preset_arguments(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     ``gradient_as_bucket_view``, ``bucket_cap_mb``), except a ``*_kwargs`` dict, which updates the preset's key by
     key while its method (``compressor``, ``memory``, ``adaptive``) stays the preset's: ``ddp_powersgd`` with
     ``compressor_kwargs={"min_compression_rate": 4.0}`` keeps its rank 4. A method replaced drops the preset's
-    arguments for it.
+    arguments for it (restated with the preset's own value, it keeps them).
     """
     check_choice("preset", name, sorted(NAMED_STRATEGIES))
     arguments = dict(NAMED_STRATEGIES[name][1])
     for nested, method in _NESTED.items():  # another method does not take the preset's method's arguments
-        if method in overrides and nested not in overrides:
+        if method in overrides and overrides[method] != arguments.get(method) and nested not in overrides:
             arguments.pop(nested, None)
     for key, value in overrides.items():
         kept = arguments.get(key)
@@ -143,4 +143,4 @@ def register_presets(registry: _StrategyRegistry, cls: type, strategy_name: str)
         registry.register(name, cls, description=description, override=True, **init_params)
         for suffix, options in DDP_VARIANTS.items():
             registry.register(f"{name}_{suffix}", cls, description=f"{description}; {suffix.replace('_', ' ')}",
-                              override=True, **init_params, **options)  # fmt: skip
+                              override=True, **{**init_params, **options})  # fmt: skip

@@ -30,6 +30,7 @@ from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, 
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
+from lightning_gradcomp.output_layer import output_layer_names
 from lightning_gradcomp.presets import preset_arguments
 from lightning_gradcomp.schedule import DensityWarmup, WarmupSchedule
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
@@ -257,8 +258,14 @@ class CompressionSettings:
             return None
         return self.density_schedule[min(epoch, len(self.density_schedule) - 1)]
 
-    def dense_parameter_names(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> frozenset[str]:
-        """Names of the parameters kept dense by ``dense_parameters`` and ``keep_last_layer_dense``."""
+    def dense_parameter_names(
+        self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], module: torch.nn.Module | None = None
+    ) -> frozenset[str]:
+        """Names of the parameters kept dense by ``dense_parameters`` and ``keep_last_layer_dense``.
+
+        ``module``, the model the parameters belong to, tells its output layer where it declares it
+        (:func:`~lightning_gradcomp.output_layer.output_layer_names`: a tied embedding, under LoRA too).
+        """
         names = [name for name, _ in named_parameters]
         dense: set[str] = set()
         for pattern in self.dense_parameters:
@@ -266,10 +273,45 @@ class CompressionSettings:
             if not matched:
                 raise ValueError(f"dense_parameters pattern {pattern!r} matches no parameter; parameters are {names}")
             dense.update(matched)
-        if self.keep_last_layer_dense and names:
-            owner = names[-1].rpartition(".")[0]
-            dense.update(n for n in names if n.rpartition(".")[0] == owner)
+        if self.keep_last_layer_dense:
+            dense.update(output_layer_names(module, named_parameters))
         return frozenset(dense)
+
+    def warn_if_never_compressed(self) -> None:
+        """Warn once, at the end of a run, when none of its steps was compressed (a warm-up, or an adaptive
+        schedule's dense critical regimes, that outlasted it): the run exchanged exactly what plain DDP would. The
+        dense baseline (the identity compressor, no wire precision) never compresses by design and is let be."""
+        hook = self.gradcomp_hook
+        if hook is None or type(hook.compressor) is IdentityCompressor or not hook.history:
+            return
+        if any(s.compressed for s in hook.history):
+            return
+        steps = len(hook.history)
+        warmup = sum(s.regime == "warmup" for s in hook.history)
+        critical = sum(s.regime == "critical" for s in hook.history)
+        causes, advice = [f"{warmup} in the warm-up of warmup_steps={self.warmup_steps}"], ["lower warmup_steps"]
+        if isinstance(self.schedule, Accordion):
+            causes.append(f"{critical} in Accordion's dense critical regimes")
+            advice.append("pass adaptive='none' or a shorter adaptive_kwargs={'interval': ...} (its first two "
+                          "intervals are critical)")  # fmt: skip
+        rank_zero_warn(
+            f"lightning_gradcomp: none of the run's {steps} steps was compressed ({', '.join(causes)}): every gradient "
+            f"was averaged densely, as plain DDP does. For a short run {', or '.join(advice)}."
+        )
+
+    def _logged_dense_names(
+        self, named: Sequence[tuple[str, torch.nn.Parameter]], module: torch.nn.Module
+    ) -> frozenset[str]:
+        """:meth:`dense_parameter_names`, with the output layer ``keep_last_layer_dense`` found said once, and its
+        share of the trained elements."""
+        dense = self.dense_parameter_names(named, module)
+        if self.keep_last_layer_dense:
+            found = output_layer_names(module, named)
+            sizes = {name: p.numel() for name, p in named if p.requires_grad}
+            share = sum(sizes[n] for n in found) / max(1, sum(sizes.values()))
+            said = f"{found} ({share:.1%} of the trained elements)" if found else "frozen (none)"
+            rank_zero_info(f"keep_last_layer_dense: the output layer averaged densely is {said}")
+        return dense
 
     def resolved_aggregator(self, world_size: int) -> str:
         """The aggregator for ``world_size`` ranks: as given, or the compressor's choice for ``"auto"``."""
@@ -305,7 +347,7 @@ class CompressionSettings:
             granularity=self.granularity,
             unit_cap_mb=self.unit_cap_mb,
             min_compress_numel=self.min_compress_numel,
-            dense_names=self.dense_parameter_names(named),
+            dense_names=self._logged_dense_names(named, module),
             schedule=copy.deepcopy(self.schedule),  # a fresh hook starts its schedule afresh, as its step counter
             seed=self.seed,
             group=group,
@@ -340,7 +382,7 @@ class CompressionSettings:
         """Check the ranks agree, build the hook for ``ddp``'s module over its process group, give it a state
         loaded before it existed, and register it on ``ddp``."""
         named = list(ddp.module.named_parameters())
-        self.check_settings_agree(named, ddp.process_group)
+        self.check_settings_agree(named, ddp.process_group, ddp.module)
         self.gradcomp_hook = self.build_hook(ddp.module, ddp.process_group, node_id, timeout)
         if self._pending_hook_state is not None:
             self.gradcomp_hook.load_state_dict(self._pending_hook_state)
@@ -379,9 +421,13 @@ class CompressionSettings:
                     )
 
     def compression_settings(
-        self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], world_size: int
+        self,
+        named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+        world_size: int,
+        module: torch.nn.Module | None = None,
     ) -> dict[str, str]:
-        """Every setting all ranks must share, as text: compared across ranks at setup."""
+        """Every setting all ranks must share, as text: compared across ranks at setup (``module``: the model the
+        parameters belong to, for its output layer)."""
         return {
             "compressor": repr(self.compressor),
             "memory": f"{self.memory.name} {getattr(self.memory, 'alpha', '')} {getattr(self.memory, 'momentum', '')}",
@@ -393,14 +439,17 @@ class CompressionSettings:
             "density_schedule": str(self.density_schedule),
             "density_warmup": repr(self.density_warmup),
             "schedule": repr(self.schedule),
-            "dense parameters": str(sorted(self.dense_parameter_names(named_parameters))),
+            "dense parameters": str(sorted(self.dense_parameter_names(named_parameters, module))),
             "seed": str(self.seed),
             "hierarchy": f"{self.hierarchy} {self.hierarchy_scheme}",
             "parameters": str([(name, tuple(p.shape)) for name, p in named_parameters]),
         }
 
     def check_settings_agree(
-        self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], group: torch.distributed.ProcessGroup | None
+        self,
+        named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+        group: torch.distributed.ProcessGroup | None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         """Raise on every rank, naming what differs, when ranks were configured differently.
 
@@ -409,7 +458,7 @@ class CompressionSettings:
         hands every rank rank 0's run tag, which marks this run's checkpoint shards.
         """
         world_size = torch.distributed.get_world_size(group)
-        local = self.compression_settings(named_parameters, world_size)
+        local = self.compression_settings(named_parameters, world_size, module)
         if world_size == 1:
             return
         every: list[Any] = [None] * world_size

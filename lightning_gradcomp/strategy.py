@@ -94,8 +94,10 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
             sum (:class:`~lightning_gradcomp.compressors.WirePrecision`); ``None``: the gradient's dtype.
         dense_parameters: ``fnmatch`` patterns of parameter names averaged densely, uncompressed
             (each must match a parameter of the model, checked at setup).
-        keep_last_layer_dense: average the last layer's parameters (the module holding the last
-            registered parameter, usually the logits layer) densely, as the TernGrad authors did.
+        keep_last_layer_dense: average the output layer's parameters densely, as the TernGrad authors did: the
+            module a model declares as its output (Hugging Face's ``get_output_embeddings()``, the shared
+            matrix of tied embeddings; nothing when LoRA freezes it), else the module holding the last
+            registered trainable parameter (:mod:`lightning_gradcomp.output_layer`). Logged at setup.
         hierarchy: ``"none"`` (every rank compresses and exchanges with every rank) or ``"node"``:
             gradients are summed densely inside each node and only the nodes' sums are compressed and
             exchanged between nodes (:mod:`lightning_gradcomp.comm.hierarchy`); on a single node
@@ -180,6 +182,12 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         advice, ``strategy="ddp_find_unused_parameters_true"``, would drop the compression)."""
         _augment_message(exception, pattern=UNUSED_PARAMETERS_ERROR, new_message=UNUSED_PARAMETERS_ADVICE)
         super().on_exception(exception)
+
+    @override
+    def on_train_end(self) -> None:
+        """Warn when the warm-up (or a dense critical regime) outlasted the run (:meth:`warn_if_never_compressed`)."""
+        super().on_train_end()
+        self.warn_if_never_compressed()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

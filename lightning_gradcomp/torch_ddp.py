@@ -74,7 +74,7 @@ def make_hook(
             raise ValueError("group differs from the DistributedDataParallel's own process group; pass one of them")
         model, group = model.module, model.process_group
     named = list(model.named_parameters())
-    config.check_settings_agree(named, group)
+    config.check_settings_agree(named, group, model)
     return config.build_hook(model, group, node_id, timeout)
 
 

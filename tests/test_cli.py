@@ -38,8 +38,11 @@ def test_help_lists_registered_strategies_and_compressors(argv: list[str], capsy
         main(argv)
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
-    for name in ("fit", "validate", "compare", *gradcomp_strategies(), *COMPRESSORS):
+    presets = [name for name in gradcomp_strategies() if not name.endswith("_find_unused_parameters_true")]
+    for name in ("fit", "validate", "compare", *presets, *COMPRESSORS):
         assert re.search(rf"\b{name}\b", out), f"{name!r} missing from gradcomp --help"
+    # the presets' DDP variants, one line for all of them
+    assert "<preset>_find_unused_parameters_true" in out and "ddp_topk_find_unused_parameters_true" not in out
     usage = out[out.index("usage:") :].splitlines()[0]
     assert "{fit,validate,test,predict,compare,demo}" in usage
     assert "ddp_topk" in out and "registered strategies" in out and "compressors" in out

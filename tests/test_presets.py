@@ -48,6 +48,8 @@ def test_a_kwargs_override_updates_the_presets_unless_its_method_is_replaced() -
     ] == {"density": 0.1}
     replaced = GradCompStrategy.from_preset("ddp_powersgd", compressor="topk")  # rank 4 does not follow it
     assert replaced.compressor.name == "topk"
+    restated = GradCompStrategy.from_preset("ddp_powersgd", compressor="powersgd")  # the same method: kept
+    assert restated.compressor.rank == 4
     assert NAMED_STRATEGIES["ddp_powersgd"][1]["compressor_kwargs"] == {"rank": 4}  # the table is left alone
 
 
@@ -132,3 +134,31 @@ def test_a_branch_that_sits_out_every_other_step_trains_under_presets_with_find_
         assert first["compressed"] >= 10, case  # every step after the first warm-up one
         sent, dense = first["bytes"]
         assert sent < dense, case
+
+
+def _warnings_of_short_runs(rank: int, world_size: int) -> dict:
+    import warnings
+
+    seen = {}
+    runs = (("ddp_powersgd", {}), ("ddp_terngrad", {"warmup_steps": 50}), ("ddp_topk", {}), ("ddp_gradcomp_dense", {}))
+    for name, overrides in runs:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(GradCompStrategy.from_preset(name, **overrides), world_size, 6)
+        seen[name] = [str(w.message) for w in caught if "none of the run" in str(w.message)]
+    return seen
+
+
+def test_a_run_that_never_compressed_says_so_once_at_its_end() -> None:
+    (seen,) = run_ranks(_warnings_of_short_runs, 1, init=False, timeout=300)
+    dense = "every gradient was averaged densely, as plain DDP does. For a short run lower warmup_steps"
+    assert seen["ddp_powersgd"] == [
+        "lightning_gradcomp: none of the run's 6 steps was compressed (1 in the warm-up of warmup_steps=1, 5 in "
+        f"Accordion's dense critical regimes): {dense}, or pass adaptive='none' or a shorter "
+        "adaptive_kwargs={'interval': ...} (its first two intervals are critical)."
+    ]
+    assert seen["ddp_terngrad"] == [
+        f"lightning_gradcomp: none of the run's 6 steps was compressed (6 in the warm-up of warmup_steps=50): {dense}."
+    ]
+    assert seen["ddp_topk"] == []  # compressed from step 2 (its critical regimes compress at 4x the density)
+    assert seen["ddp_gradcomp_dense"] == []  # the dense baseline never compresses, by design

@@ -46,7 +46,7 @@ def compressed_parameters(strategy: GradCompStrategy, pl_module: pl.LightningMod
     gradients never reach the hook.
     """
     named = list(pl_module.named_parameters())
-    dense = strategy.dense_parameter_names(named)
+    dense = strategy.dense_parameter_names(named, pl_module)
     return {
         name: p.numel()
         for name, p in named
