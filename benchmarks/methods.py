@@ -100,10 +100,11 @@ AFTER_WARMUPS: dict[str, Any] = {"warmup_steps": 1, "density_warmup_steps": 0, "
 def strategy_arguments(method: str) -> dict[str, Any]:
     """The ``GradCompStrategy`` arguments of one of our methods (a named strategy or a variant)."""
     from lightning_gradcomp import NAMED_STRATEGIES
+    from lightning_gradcomp.presets import preset_arguments
 
     if method in VARIANTS:
         preset, changes = VARIANTS[method]
-        return {**NAMED_STRATEGIES[preset][1], **changes}
+        return preset_arguments(preset, changes)
     if method in NAMED_STRATEGIES:
         return dict(NAMED_STRATEGIES[method][1])
     raise KeyError(f"unknown method {method!r}; choose from {[*TORCH_METHODS, *NAMED_STRATEGIES, *VARIANTS]}")

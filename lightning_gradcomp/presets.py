@@ -124,12 +124,17 @@ def preset_arguments(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """
     check_choice("preset", name, sorted(NAMED_STRATEGIES))
     arguments = dict(NAMED_STRATEGIES[name][1])
-    for nested, method in _NESTED.items():  # another method does not take the preset's method's arguments
-        if method in overrides and overrides[method] != arguments.get(method) and nested not in overrides:
-            arguments.pop(nested, None)
+    # another method does not take the preset's method's arguments
+    replaced = {
+        nested
+        for nested, method in _NESTED.items()
+        if overrides.get(method, arguments.get(method)) != arguments.get(method)
+    }
+    for nested in replaced:
+        arguments.pop(nested, None)
     for key, value in overrides.items():
         kept = arguments.get(key)
-        merge = isinstance(kept, dict) and isinstance(value, Mapping) and _NESTED.get(key) not in overrides
+        merge = isinstance(kept, dict) and isinstance(value, Mapping)
         arguments[key] = {**kept, **value} if merge else value  # type: ignore[dict-item]
     return arguments
 

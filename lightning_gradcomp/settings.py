@@ -266,6 +266,11 @@ class CompressionSettings:
         ``module``, the model the parameters belong to, tells its output layer where it declares it
         (:func:`~lightning_gradcomp.output_layer.output_layer_names`: a tied embedding, under LoRA too).
         """
+        output = output_layer_names(module, named_parameters) if self.keep_last_layer_dense else []
+        return self._matched_dense(named_parameters) | frozenset(output)
+
+    def _matched_dense(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> frozenset[str]:
+        """Names matched by the ``dense_parameters`` patterns (each must match one)."""
         names = [name for name, _ in named_parameters]
         dense: set[str] = set()
         for pattern in self.dense_parameters:
@@ -273,8 +278,6 @@ class CompressionSettings:
             if not matched:
                 raise ValueError(f"dense_parameters pattern {pattern!r} matches no parameter; parameters are {names}")
             dense.update(matched)
-        if self.keep_last_layer_dense:
-            dense.update(output_layer_names(module, named_parameters))
         return frozenset(dense)
 
     def warn_if_never_compressed(self) -> None:
@@ -304,14 +307,14 @@ class CompressionSettings:
     ) -> frozenset[str]:
         """:meth:`dense_parameter_names`, with the output layer ``keep_last_layer_dense`` found said once, and its
         share of the trained elements."""
-        dense = self.dense_parameter_names(named, module)
-        if self.keep_last_layer_dense:
-            found = output_layer_names(module, named)
-            sizes = {name: p.numel() for name, p in named if p.requires_grad}
-            share = sum(sizes[n] for n in found) / max(1, sum(sizes.values()))
-            said = f"{found} ({share:.1%} of the trained elements)" if found else "frozen (none)"
-            rank_zero_info(f"keep_last_layer_dense: the output layer averaged densely is {said}")
-        return dense
+        if not self.keep_last_layer_dense:
+            return self._matched_dense(named)
+        found = output_layer_names(module, named)
+        sizes = {name: p.numel() for name, p in named if p.requires_grad}
+        share = sum(sizes[n] for n in found) / max(1, sum(sizes.values()))
+        said = f"{found} ({share:.1%} of the trained elements)" if found else "frozen (none)"
+        rank_zero_info(f"keep_last_layer_dense: the output layer averaged densely is {said}")
+        return self._matched_dense(named) | frozenset(found)
 
     def resolved_aggregator(self, world_size: int) -> str:
         """The aggregator for ``world_size`` ranks: as given, or the compressor's choice for ``"auto"``."""

@@ -50,6 +50,10 @@ def test_a_kwargs_override_updates_the_presets_unless_its_method_is_replaced() -
     assert replaced.compressor.name == "topk"
     restated = GradCompStrategy.from_preset("ddp_powersgd", compressor="powersgd")  # the same method: kept
     assert restated.compressor.rank == 4
+    restated = GradCompStrategy.from_preset(
+        "ddp_powersgd", compressor="powersgd", compressor_kwargs={"min_compression_rate": 4.0}
+    )  # the same method restated beside its arguments: they still update the preset's
+    assert (restated.compressor.rank, restated.compressor.min_compression_rate) == (4, 4.0)
     assert NAMED_STRATEGIES["ddp_powersgd"][1]["compressor_kwargs"] == {"rank": 4}  # the table is left alone
 
 
