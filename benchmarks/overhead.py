@@ -19,6 +19,12 @@ first, ``malloc_trim``).
     python benchmarks/overhead.py --model mlp25m --steps 5 --repeats 1
     python benchmarks/overhead.py --model mlp25m --isolate --methods ddp,ddp_topk   # peak memory, a process pair each
     python benchmarks/overhead.py --model mlp25m --interleave --repeats 5   # time ratios, every method in turns
+    python benchmarks/overhead.py --device cuda --ranks 1 --model mlp25m --interleave   # a GPU per rank, NCCL
+
+With ``--device cuda`` each rank trains on its own GPU over NCCL (``--ranks`` at most the GPUs present; one GPU:
+``--ranks 1``, where the hook's compression still runs in full and the collectives have no peer), every step is
+timed to its end on the device, and the peak is the device memory allocated (``torch.cuda.max_memory_allocated``)
+instead of the process's RSS.
 """
 
 from __future__ import annotations
@@ -84,17 +90,22 @@ class _Trial:
         return min(self.runs)
 
 
+def _device(args: argparse.Namespace, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+
+
 def _prepare(method: str, model_name: str, args: argparse.Namespace, rank: int) -> _Trial:
     build, shape, classes, batch = MODELS[model_name]
     torch.manual_seed(0)
-    model = build()
-    ddp = DistributedDataParallel(model)
+    device = _device(args, rank)
+    model = build().to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     # PyTorch's hooks as they are (overlapping the backward pass); ours after their warm-ups
     hook = None if method == "ddp" else attach(method, ddp, model, overrides=AFTER_WARMUPS, serial=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(batch, *shape, generator=gen)
-    y = torch.randint(0, classes, (batch,), generator=gen)
+    x = torch.randn(batch, *shape, generator=gen).to(device)
+    y = torch.randint(0, classes, (batch,), generator=gen).to(device)
 
     def step() -> None:
         optimizer.zero_grad()
@@ -108,12 +119,19 @@ def _prepare(method: str, model_name: str, args: argparse.Namespace, rank: int) 
 
 def _time(trial: _Trial, steps: int) -> None:
     """Time ``steps`` steps between barriers (every rank starts and ends together) and record the run."""
+    _synchronize()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
         trial.step()
+    _synchronize()  # a GPU step ends when its kernels do
     dist.barrier()
     trial.runs.append((time.perf_counter() - start) / steps)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _row(trial: _Trial, args: argparse.Namespace, peak_rss_mib: float | None) -> dict:
@@ -142,9 +160,14 @@ def _run_method(method: str, model_name: str, args: argparse.Namespace, rank: in
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # return what earlier methods freed to the system...
     Path("/proc/self/clear_refs").write_text("5")  # ...and count this method's peak only
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     trial = _prepare(method, model_name, args, rank)
     for _ in range(args.repeats):
         _time(trial, args.steps)
+    if args.device == "cuda":
+        return _row(trial, args, torch.cuda.max_memory_allocated() / 2**20)
     return _row(trial, args, _kib("VmHWM") / 1024)
 
 
@@ -160,8 +183,14 @@ def _run_interleaved(methods: list[str], model_name: str, args: argparse.Namespa
 
 def _worker(rank: int, world: int, args: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+        "nccl" if args.device == "cuda" else "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
     )
     results = {}
     methods = args.methods.split(",")
@@ -187,15 +216,15 @@ def _ratios(row: dict, base: dict, paired: bool) -> tuple[float, str]:
     return statistics.median(turns), f"{min(turns):.2f}-{max(turns):.2f}"
 
 
-def _table(model_name: str, ranks: list[list[dict]], paired: bool) -> str:
+def _table(model_name: str, ranks: list[list[dict]], paired: bool, peak: str = "peak RSS") -> str:
     rows = ranks[0]
     lines = [
         f"\n{model_name}: ms/step (best run), x plain DDP ("
         + ("median over the turns of each turn's ratio, and their range" if paired else "best run against best run")
         + "), the hook's breakdown on rank 0 (ms/step), the method's state and the hook's kept buffers on rank 0"
-        " (MiB), peak RSS per rank (MiB)",
+        f" (MiB), {peak} per rank (MiB)",
         f"{'method':<20}{'ms/step':>9}{'x DDP':>7}{'range':>11}{'compress':>10}{'communicate':>13}{'decompress':>12}"
-        f"{'collectives':>13}{'state':>8}{'buffers':>9}{'peak RSS':>18}",
+        f"{'collectives':>13}{'state':>8}{'buffers':>9}{peak:>18}",
     ]
     for i, r in enumerate(rows):
         ratio, spread = _ratios(r, rows[0], paired)
@@ -229,8 +258,13 @@ def main() -> None:
         help="every method's model at once, timed in turns: ratios that a slow spell of the machine cannot bend "
         "(no peak RSS per method)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: a GPU per rank, over NCCL")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device; none is present")
+    if args.device == "cuda" and args.ranks > torch.cuda.device_count():
+        parser.error(f"--device cuda runs a GPU per rank: --ranks {args.ranks} > {torch.cuda.device_count()} GPUs")
     if args.interleave and args.isolate:
         parser.error("--interleave times every method in one launch; --isolate gives each its own")
     if args.methods.split(",")[0] != "ddp":
@@ -249,7 +283,8 @@ def main() -> None:
                 for model in args.model:
                     ranks[rank][model] += rows[model]
     for model_name in args.model:
-        print(_table(model_name, [r[model_name] for r in ranks], args.interleave))
+        peak = "peak device" if args.device == "cuda" else "peak RSS"
+        print(_table(model_name, [r[model_name] for r in ranks], args.interleave, peak))
     if args.json:
         args.json.write_text(json.dumps({"setup": vars(args) | {"json": str(args.json)}, "ranks": ranks}, indent=1))
 

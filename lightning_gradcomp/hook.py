@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gradcomp.arrivals import GradientArrivals
 from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution, Pending
 from lightning_gradcomp.comm.hierarchy import FlatTopology, NodeTopology
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor
@@ -253,7 +254,10 @@ class GradCompHook:
         self.compressor = compressor
         self.memory = memory
         self.aggregator = aggregator
-        self.units = plan_units(named_parameters, granularity, min_compress_numel, dense_names, unit_cap_mb)
+        self._plan_units = partial(
+            plan_units, named_parameters, granularity, min_compress_numel, unit_cap_mb=unit_cap_mb
+        )
+        self.units = self._plan_units(dense_names=dense_names)
         self.schedule = schedule if schedule is not None else WarmupSchedule(warmup_steps, density_warmup)
         # the inter-node collectives of a node topology count into the hook's counter: they are its bytes_sent
         self.counter = topology.counter if topology is not None else CommCounter()
@@ -267,13 +271,13 @@ class GradCompHook:
         self.calls = 0
         self.history: deque[StepStats] = deque(maxlen=history)
         self._names = {id(p): name for name, p in named_parameters}
+        # a parameter that received no gradient on this rank (DDP hands zeros for it) leaves its memory be
+        self.arrivals = GradientArrivals(named_parameters)
         self._positions = {id(p): i for i, (_, p) in enumerate(named_parameters)}
         self._device = named_parameters[0][1].device if named_parameters else torch.device("cpu")
         # an adaptive schedule's per-parameter squared gradient norms of the step, summed in parameter order
         self._squared_norms = torch.zeros(len(named_parameters), dtype=torch.float64, device=self._device)
-        # a compressor that compresses a flat unit parameter by parameter is told their shapes
-        self._shapes = {u.index: {"shapes": u.shapes} if compressor.takes_shapes else {} for u in self.units}
-        self._assembler = UnitAssembler(self.units)
+        self._shapes, self._assembler = self._routes()
         # model-sized buffers (a unit's flat copy, its average, its wire summand) kept from step to step
         self.workspace = Workspace()
         self._dense = IdentityCompressor()
@@ -286,6 +290,24 @@ class GradCompHook:
         #: the loss scale the gradients are multiplied by under AMP (``GradScaler.get_scale``), for an adaptive
         #: schedule's gradient norms; the strategies set it from their precision plugin's scaler
         self.loss_scale: Callable[[], float] | None = None
+
+    def _routes(self) -> "tuple[dict[int, dict[str, object]], UnitAssembler]":
+        """What follows from the units: the shapes told to a compressor that compresses a flat unit parameter by
+        parameter, and the assembler that gathers each unit's gradients from the buckets."""
+        shapes = {u.index: {"shapes": u.shapes} if self.compressor.takes_shapes else {} for u in self.units}
+        return shapes, UnitAssembler(self.units)
+
+    def keep_dense(self, dense_names: frozenset[str]) -> None:
+        """Plan the units afresh with ``dense_names`` averaged densely, before the hook's first bucket (an output
+        layer found from the model's first forward pass: :class:`~lightning_gradcomp.output_layer.OutputLayerWatch`).
+
+        Nothing planned from the units exists yet then; what a checkpoint restored (memories by parameter name,
+        warm starts by unit label) is keyed by names, not by the units' order.
+        """
+        if self.calls:
+            raise RuntimeError("the units are planned before the hook's first bucket; it has handled some already")
+        self.units = self._plan_units(dense_names=dense_names)
+        self._shapes, self._assembler = self._routes()
 
     def request_capture(self, names: "frozenset[str] | set[str] | list[str]") -> None:
         """Keep the tensors of parameters ``names`` at the next compressed step, in ``StepStats.captures``.
@@ -359,8 +381,10 @@ class GradCompHook:
                 self._assembler.end_step()
         else:
             # a dense step sends everything: what error feedback still owes goes with this step's gradient
-            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                self.memory.flush_(self._names[id(p)], grad.view(-1))  # state is flat, as the units hand it over
+            names = self._bucket_names(bucket)
+            for name, grad, out in zip(names, bucket.gradients(), self._sat_out(names), strict=True):
+                if not out:
+                    self.memory.flush_(name, grad.view(-1))  # state is flat, as the units hand it over
             # DDP's own path: scaled in place, reduced while the backward pass goes on
             future = self.collectives.all_reduce_async(buffer.mul_(1.0 / self.world_size))
 
@@ -411,8 +435,10 @@ class GradCompHook:
         tensors = [unit_tensors[i] for i in owned]
         for (unit, _), x in zip(mine, tensors, strict=True):
             if unit.compressed:  # grad + residual (or grad - h_i), in place: no model-sized temporary
-                for name, part in zip(unit.names, pieces(x, unit.numels), strict=True):
-                    self.memory.compensate_(name, part)
+                parts = pieces(x, unit.numels)
+                for name, part, out in zip(unit.names, parts, self._sat_out(unit.names), strict=True):
+                    if not out:  # a parameter this rank sent no gradient for sends nothing of its memory
+                        self.memory.compensate_(name, part)
         scales = self._shared_scales([unit for unit, _ in mine], tensors)
         contributions = []
         for (unit, _), x in zip(mine, tensors, strict=True):
@@ -434,7 +460,10 @@ class GradCompHook:
                 stats.selected += selected or 0
                 if self.track_layers:
                     stats.layers[unit.label] = LayerStats(x.numel(), payload.nbytes, selected)
-            else:
+            else:  # what a memory still owes a parameter now averaged densely (another plan's checkpoint) goes too
+                for name, part, out in zip(unit.names, pieces(x, unit.numels), self._sat_out(unit.names), strict=True):
+                    if not out:
+                        self.memory.flush_(name, part)
                 contributions.append(Contribution(self._dense, self._dense.compress(x), scratch=scratch))
         pending = self.aggregator.start(contributions, self.topology.collectives) if contributions else None
         waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before  # scales, sizes, node sums
@@ -472,8 +501,9 @@ class GradCompHook:
             finite = agg.finite if self.memory.keeps_state else True
             stats.nonfinite_units += not finite
             if finite:
-                for name, part, sent in zip(unit.names, parts, reached, strict=True):
-                    self.memory.settle_(name, part, sent, unit_numel=unit.numel)
+                for name, part, sent, out in zip(unit.names, parts, reached, self._sat_out(unit.names), strict=True):
+                    if not out:
+                        self.memory.settle_(name, part, sent, unit_numel=unit.numel)
             means = agg.decode_into(x.reshape(-1) if early else None).split(unit.numels)
             for name, grad, mean in zip(unit.names, grads, means, strict=True):
                 self.memory.conclude_(name, mean, out=grad, unit_numel=unit.numel, update=finite)
@@ -494,6 +524,14 @@ class GradCompHook:
                     for grad in grads:
                         grad.zero_()
         self.topology.share_([grad for _, grads in exchange.ready for grad in grads])
+
+    def _sat_out(self, names: list[str]) -> list[bool]:
+        """For each of ``names``: whether that parameter received no gradient on this rank this step
+        (:mod:`lightning_gradcomp.arrivals`). Per node the owner compresses the node's sum, which any of its ranks
+        may have used: nothing sits out there."""
+        if isinstance(self.topology, FlatTopology):
+            return self.arrivals.sat_out(names)
+        return [False] * len(names)
 
     def _intra_seconds(self) -> float:
         counter = self.topology.intra_counter
@@ -549,6 +587,7 @@ class GradCompHook:
         }
 
     def _finish_step(self, stats: StepStats) -> None:
+        self.arrivals.end_step()
         stats.bytes_sent = self.counter.bytes_sent
         stats.bytes_received = self.counter.bytes_received
         stats.collectives = self.counter.calls

@@ -5,37 +5,159 @@ keep it in full precision (Wen et al., NIPS 2017, Sec. 5), where it is small nex
 its output layer is taken at its word: Hugging Face models answer ``get_output_embeddings()`` (PEFT's wrappers hold
 the model that does), which in a model with tied input and output embeddings is the embedding matrix itself,
 registered (and so named, and exchanged) once, under the input embedding's name. That matrix is not small: in a
-language model with a large vocabulary it can be a third of the parameters, and the setup log says what share of
-the trained elements the dense output layer is. Any other model's output layer is taken to be the module holding
-its last registered trainable parameter, the logits layer of a model defined in the order its forward runs.
+language model with a large vocabulary it can be a third of the parameters, and the log says what share of the
+trained elements the dense output layer is.
+
+Any other model's output layer is found from what it does (:class:`OutputLayerWatch`): on the first forward pass
+whose output carries an autograd graph (the first training step), the graph is walked back from the output (the
+loss, under the Trainer) to the nearest module output or parameter; that module is the output layer, wherever it
+was registered. Until then, and where the graph hides the modules (a compiled model), it is taken to be the module
+holding the last registered trainable parameter, the logits layer of a model defined in the order its forward runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["output_layer_names"]
+__all__ = ["OutputLayerWatch", "declared_output_layer", "output_layer_names", "registered_last"]
 
 
 def output_layer_names(module: nn.Module | None, named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names (as in ``named_parameters``) of the trainable parameters of ``module``'s output layer.
+    """Names (as in ``named_parameters``) of the trainable parameters of ``module``'s output layer, as known before
+    a forward pass: :func:`declared_output_layer`, else :func:`registered_last`."""
+    declared = declared_output_layer(module, named_parameters)
+    return declared if declared is not None else registered_last(named_parameters)
 
-    The declared output layers of ``module``'s outermost submodules that declare one (several models in one module,
-    a frozen teacher beside a trained student: each declares its own), trainable ones only; an empty list when they
-    are all frozen, as under LoRA, where nothing of the output layer is exchanged. Without a declaration that
-    matches any of ``named_parameters``: the parameters registered in the module holding the last trainable one.
-    """
-    trainable = [(name, p) for name, p in named_parameters if p.requires_grad]
+
+def declared_output_layer(
+    module: nn.Module | None, named_parameters: Sequence[tuple[str, torch.Tensor]]
+) -> list[str] | None:
+    """The trainable parameters of the output layers declared through ``get_output_embeddings()`` by ``module``'s
+    outermost submodules that declare one (several models in one module, a frozen teacher beside a trained
+    student: each declares its own); an empty list when they are all frozen, as under LoRA, where nothing of the
+    output layer is exchanged; ``None`` when no declaration matches any of ``named_parameters``."""
     declared = {id(p) for output in _declared_outputs(module) for p in output.parameters()}
-    if declared & {id(p) for _, p in named_parameters}:
-        return [name for name, p in trainable if id(p) in declared]
-    if not trainable:
-        return []
-    owner = trainable[-1][0].rpartition(".")[0]
-    return [name for name, _ in trainable if name.rpartition(".")[0] == owner]
+    if not declared & {id(p) for _, p in named_parameters}:
+        return None
+    return [name for name, p in named_parameters if p.requires_grad and id(p) in declared]
+
+
+def registered_last(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The trainable parameters registered directly in the module holding the last trainable one."""
+    trainable = [name for name, p in named_parameters if p.requires_grad]
+    return _held_by(_owner(trainable[-1]), trainable) if trainable else []
+
+
+class OutputLayerWatch:
+    """Finds the output layer of a model that declares none from its first forward pass with an autograd graph.
+
+    Forward hooks note the output of every module holding trainable parameters; when ``module``'s forward returns
+    an output that carries a graph, the graph is walked back from it breadth first, and the first step that
+    reaches a noted module output or a trainable parameter decides: a parameter reached there (a weight used in
+    the forward itself, as a tied embedding projecting to the logits) names its module, else the module whose
+    output it is. Several modules at the same distance (two heads summed into one loss; a compiled model, whose
+    graph holds its parameters but no module outputs): the one registered last. ``found`` gets the names of that
+    module's trainable parameters; the hooks are then removed. A forward without a graph (validation, a sanity
+    check) is passed by, and so is any hook call that ``torch.compile`` traces (it reads no ``grad_fn``, which
+    would break the graph): a model compiled as a whole, ``module`` included, keeps the registration-order rule.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        named_parameters: Sequence[tuple[str, torch.Tensor]],
+        found: Callable[[list[str]], None],
+    ) -> None:
+        self._trainable = {id(p): name for name, p in named_parameters if p.requires_grad}
+        self._order = {name: i for i, name in enumerate(self._trainable.values())}
+        self._found = found
+        self._noted: dict[Any, str] = {}
+        holders = [
+            (name, sub)
+            for name, sub in module.named_modules()
+            if any(id(p) in self._trainable for p in sub.parameters(recurse=False))
+        ]
+        self._handles: list[RemovableHandle] = [sub.register_forward_hook(self._noter(name)) for name, sub in holders]
+        self._handles.append(module.register_forward_hook(self._decide))
+
+    @property
+    def watching(self) -> bool:
+        """Whether the output layer is still to be found."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Stop watching (the hooks are removed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._noted = {}
+
+    def _noter(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def note(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():  # a compiled graph has no module outputs to note (nor grad_fn to read)
+                return
+            for tensor in _tensors(output):
+                if tensor.grad_fn is not None:
+                    self._noted.setdefault(tensor.grad_fn, name)
+
+        return note
+
+    def _decide(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():  # inside a compiled graph: decided at an eager call, if any
+            return
+        roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        if not roots:
+            self._noted = {}
+            return
+        owners = self._nearest_owners(roots)
+        self.remove()
+        if owners:
+            last = max(owners, key=lambda owner: max(self._order[n] for n in _held_by(owner, self._order)))
+            self._found(_held_by(last, list(self._order)))
+
+    def _nearest_owners(self, roots: list[Any]) -> set[str]:
+        """The modules owning the first parameters, else the first noted module outputs, reached from ``roots``."""
+        frontier, seen = list(dict.fromkeys(roots)), set(roots)
+        while frontier:
+            reached = [self._trainable.get(id(getattr(node, "variable", None))) for node in frontier]
+            parameters = {_owner(name) for name in reached if name is not None}
+            if parameters:
+                return parameters
+            outputs = {self._noted[node] for node in frontier if node in self._noted}
+            if outputs:
+                return outputs
+            following = [after for node in frontier for after, _ in node.next_functions if after is not None]
+            frontier = [node for node in dict.fromkeys(following) if node not in seen]
+            seen.update(frontier)
+        return set()
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output, nested in lists, tuples and dicts (a ``ModelOutput``, the Trainer's
+    ``{"loss": ...}``)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
+
+
+def _owner(name: str) -> str:
+    """The module path of parameter ``name``."""
+    return name.rpartition(".")[0]
+
+
+def _held_by(owner: str, names: Sequence[str] | dict[str, int]) -> list[str]:
+    """The parameter names among ``names`` registered directly in module ``owner``."""
+    return [name for name in names if _owner(name) == owner]
 
 
 def _declared_outputs(module: nn.Module | None) -> list[nn.Module]:

@@ -30,10 +30,15 @@ from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, 
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
-from lightning_gradcomp.output_layer import output_layer_names
+from lightning_gradcomp.output_layer import (
+    OutputLayerWatch,
+    declared_output_layer,
+    output_layer_names,
+    registered_last,
+)
 from lightning_gradcomp.presets import preset_arguments
 from lightning_gradcomp.schedule import DensityWarmup, WarmupSchedule
-from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES
+from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, refuse_sparse_gradients
 from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_number
 
 #: The adaptive schedules (``adaptive=``) and the arguments Accordion takes (``adaptive_kwargs=``).
@@ -181,6 +186,9 @@ class CompressionSettings:
         self.hierarchy = hierarchy
         self.hierarchy_scheme = hierarchy_scheme
         self._pending_hook_state: dict | None = None
+        self._output_watch: OutputLayerWatch | None = None
+        #: the parameters of the output layer ``keep_last_layer_dense`` keeps dense, once declared or found
+        self.output_layer: list[str] | None = None
         self._run_tag = uuid.uuid4().hex  # replaced by rank 0's at setup, so that all ranks share it
         self._saves = 0
         self.dense_parameters = tuple(dense_parameters)
@@ -305,16 +313,27 @@ class CompressionSettings:
     def _logged_dense_names(
         self, named: Sequence[tuple[str, torch.nn.Parameter]], module: torch.nn.Module
     ) -> frozenset[str]:
-        """:meth:`dense_parameter_names`, with the output layer ``keep_last_layer_dense`` found said once, and its
-        share of the trained elements."""
+        """:meth:`dense_parameter_names`, with the output layer ``keep_last_layer_dense`` keeps said once: the one
+        the model declares, or that it will be found from the first training step."""
         if not self.keep_last_layer_dense:
             return self._matched_dense(named)
-        found = output_layer_names(module, named)
+        declared = declared_output_layer(module, named)
+        if declared is not None:
+            self._say_output_layer(declared, named, "declared by the model (get_output_embeddings)")
+            return self._matched_dense(named) | frozenset(declared)
+        rank_zero_info(
+            "keep_last_layer_dense: the model declares no output layer (get_output_embeddings); the module nearest "
+            "the output of the first training step's forward pass will be averaged densely"
+        )
+        return self._matched_dense(named) | frozenset(registered_last(named))
+
+    def _say_output_layer(self, names: list[str], named: Sequence[tuple[str, torch.nn.Parameter]], how: str) -> None:
+        """Log the output layer kept dense, and its share of the trained elements; keep it in :attr:`output_layer`."""
+        self.output_layer = list(names)
         sizes = {name: p.numel() for name, p in named if p.requires_grad}
-        share = sum(sizes[n] for n in found) / max(1, sum(sizes.values()))
-        said = f"{found} ({share:.1%} of the trained elements)" if found else "frozen (none)"
-        rank_zero_info(f"keep_last_layer_dense: the output layer averaged densely is {said}")
-        return self._matched_dense(named) | frozenset(found)
+        share = sum(sizes[n] for n in names) / max(1, sum(sizes.values()))
+        said = f"{names} ({share:.1%} of the trained elements)" if names else "frozen (none)"
+        rank_zero_info(f"keep_last_layer_dense: the output layer averaged densely is {said}, {how}")
 
     def resolved_aggregator(self, world_size: int) -> str:
         """The aggregator for ``world_size`` ranks: as given, or the compressor's choice for ``"auto"``."""
@@ -342,7 +361,7 @@ class CompressionSettings:
         if self.hierarchy == "node" and topology is None:
             return self._dense_hook(named, group)
         exchanging = topology.nodes if topology is not None else world_size
-        return GradCompHook(
+        hook = GradCompHook(
             compressor=self.compressor,
             memory=self.memory,
             aggregator=self.resolved_aggregator(exchanging),
@@ -356,6 +375,37 @@ class CompressionSettings:
             group=group,
             topology=topology,
         )
+        if self.keep_last_layer_dense and declared_output_layer(module, named) is None:
+            self._watch_output_layer(module, named, hook, group)
+        return hook
+
+    def _watch_output_layer(
+        self,
+        module: torch.nn.Module,
+        named: list[tuple[str, torch.nn.Parameter]],
+        hook: GradCompHook,
+        group: torch.distributed.ProcessGroup | None,
+    ) -> None:
+        """Find the output layer of a model that declares none from its first forward pass with a graph
+        (:class:`~lightning_gradcomp.output_layer.OutputLayerWatch`) and replan ``hook``'s units with it dense.
+
+        Every rank takes rank 0's finding (one object broadcast at that forward pass), so a data-dependent graph
+        cannot make the ranks plan different units.
+        """
+        guess = frozenset(registered_last(named))
+
+        def found(names: list[str]) -> None:
+            if torch.distributed.get_world_size(group) > 1:
+                shared: list[Any] = [names]
+                torch.distributed.broadcast_object_list(shared, group=group, group_src=0)
+                names = shared[0]
+            self._say_output_layer(names, named, "found from the first training step's forward pass")
+            if frozenset(names) != guess:
+                hook.keep_dense(self._matched_dense(named) | frozenset(names))
+
+        if self._output_watch is not None:
+            self._output_watch.remove()
+        self._output_watch = OutputLayerWatch(module, named, found)
 
     def _node_topology(
         self, group: torch.distributed.ProcessGroup | None, node_id: object, timeout: timedelta | None
@@ -460,6 +510,8 @@ class CompressionSettings:
         garbage at the first compressed step. One object gather at setup rules that out; it also
         hands every rank rank 0's run tag, which marks this run's checkpoint shards.
         """
+        if module is not None:
+            refuse_sparse_gradients(module)
         world_size = torch.distributed.get_world_size(group)
         local = self.compression_settings(named_parameters, world_size, module)
         if world_size == 1:

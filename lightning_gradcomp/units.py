@@ -76,6 +76,21 @@ class Unit:
         return "+".join(self.names)
 
 
+def refuse_sparse_gradients(module: torch.nn.Module) -> None:
+    """Raise ``ValueError`` naming the first trainable parameter that gets sparse gradients (an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` built with ``sparse=True``): DDP hands a communication hook dense buckets only (it reduces
+    sparse gradients apart), so no unit can hold it."""
+    for path, sub in module.named_modules():
+        weight = getattr(sub, "weight", None)
+        if getattr(sub, "sparse", False) is True and isinstance(weight, Tensor) and weight.requires_grad:
+            name = f"{path}.weight" if path else "weight"
+            raise ValueError(
+                f"parameter {name!r} gets sparse gradients ({type(sub).__name__}(sparse=True)); a DDP communication "
+                "hook exchanges dense buckets only, so it cannot be compressed: build it with sparse=False (its "
+                "gradient is then dense and compressed like any other), or freeze it"
+            )
+
+
 def is_compressed(name: str, param: Tensor, min_compress_numel: int, dense_names: frozenset[str]) -> bool:
     """Whether parameter ``name`` is compressed: floating point, large enough, and not kept dense."""
     return param.is_floating_point() and param.numel() >= min_compress_numel and name not in dense_names

@@ -55,6 +55,51 @@ class ShuffledClassifier(TinyClassifier):
         return self.head(torch.relu(self.body(torch.relu(self.stem(x)))))
 
 
+class SitsOut(pl.LightningModule):
+    """A body and head used every step, an auxiliary head used on odd steps, a side branch on rank 0 every third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 4)
+        self.aux = nn.Linear(64, 16)  # 16 classes of which the labels use 4: a matrix PowerSGD cannot send exactly
+        self.side = nn.Linear(64, 16)
+
+    def uses(self, step: int, rank: int) -> dict[str, bool]:
+        return {"aux": step % 2 == 1, "side": rank == 0 and step % 3 == 0}
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = torch.relu(self.body(x))
+        loss = nn.functional.cross_entropy(self.head(h), y)
+        uses = self.uses(self.global_step, self.global_rank)
+        for name in ("aux", "side"):
+            if uses[name]:
+                loss = loss + 0.5 * nn.functional.cross_entropy(getattr(self, name)(h), y)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def quiet_trainer(
+    strategy: pl.strategies.Strategy | str, world_size: int, steps: int, callbacks: list[pl.Callback] | None = None
+) -> pl.Trainer:
+    """A CPU Trainer of ``steps`` steps on ``world_size`` devices that logs, prints and checkpoints nothing unless a
+    ``ModelCheckpoint`` is among ``callbacks``."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks or []),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
 def fit(
     strategy: pl.strategies.Strategy | str,
     world_size: int,
@@ -68,16 +113,6 @@ def fit(
     """Fit a fresh ``model_class`` (same init on every rank) for ``steps`` steps on CPU."""
     pl.seed_everything(seed, verbose=False)
     model = model_class()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks or []),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(strategy, world_size, steps, callbacks)
     trainer.fit(model, DataLoader(teacher_task(n=samples), batch_size=16), ckpt_path=ckpt_path)
     return model, trainer

@@ -1,19 +1,24 @@
 """The output layer ``keep_last_layer_dense`` keeps: declared by the model (a tied embedding, under LoRA too),
-else the module of the last registered trainable parameter; tied parameters are one unit; 2-rank training with
-the presets of a tied causal language model, ours and Hugging Face's GPT-2 (built from a config, random
-weights), bare and under LoRA (ours, and PEFT's on GPT-2)."""
+else found from the first forward pass with a graph (the module nearest the output, wherever it was registered);
+tied parameters are one unit; 2-rank training with the presets of a tied causal language model, ours and Hugging
+Face's GPT-2 (built from a config, random weights), bare and under LoRA (ours, and PEFT's on GPT-2), and of one
+that declares nothing and registers its head first."""
 
 from __future__ import annotations
+
+import io
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from ranks import run_ranks
+from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.output_layer import output_layer_names
+from lightning_gradcomp.callbacks import CompressionMonitor
+from lightning_gradcomp.output_layer import OutputLayerWatch, output_layer_names, registered_last
 
 VOCAB, WIDTH, CONTEXT = 96, 32, 8
 
@@ -42,6 +47,23 @@ class TinyCausalLM(nn.Module):
         for block in self.blocks:
             h = block(h, src_mask=mask, is_causal=True)
         return self.lm_head(self.ln_f(h))
+
+
+class HeadFirstLM(TinyCausalLM):
+    """The same language model with an untied head registered before everything else and no declaration: only its
+    forward pass says which module is the output layer."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(CONTEXT, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(WIDTH, 2, 4 * WIDTH, dropout=0.0, batch_first=True) for _ in range(2)
+        )
+        self.ln_f = nn.LayerNorm(WIDTH)
+
+    get_output_embeddings = None  # type: ignore[assignment]
 
 
 class LoRALinear(nn.Module):
@@ -109,6 +131,81 @@ def test_a_model_that_declares_nothing_keeps_the_module_of_its_last_registered_p
     assert output_layer_names(None, named) == ["out.weight", "out.bias"]
     model.out.requires_grad_(False)  # a frozen head: the last trainable module is the one kept
     assert output_layer_names(model, named) == ["body.weight", "body.bias"]
+
+
+class Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.body(x)))
+
+
+class HeadRegisteredFirst(nn.Module):
+    """The head registered before the backbone, and an auxiliary head (through a frozen projection) registered
+    last, whose loss is added scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.backbone = Backbone()
+        self.aux = nn.Linear(16, 3)
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.backbone(x)
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits, y) + 0.3 * nn.functional.cross_entropy(self.frozen(self.aux(h)), y)
+        return {"loss": loss, "logits": logits.detach()}
+
+
+class FunctionalTied(nn.Module):
+    """Logits projected with the embedding matrix in the forward itself: no output module, nothing declared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.ln_f = nn.LayerNorm(WIDTH)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.ln_f(self.wte(tokens)), self.wte.weight)
+
+
+def _watched(model: nn.Module) -> tuple[OutputLayerWatch, list[list[str]]]:
+    found: list[list[str]] = []
+    return OutputLayerWatch(model, list(model.named_parameters()), found.append), found
+
+
+def test_the_output_layer_is_found_from_the_first_forward_pass_wherever_it_was_registered() -> None:
+    model = HeadRegisteredFirst()
+    named = list(model.named_parameters())
+    assert registered_last(named) == ["aux.weight", "aux.bias"]
+    watch, found = _watched(model)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    with torch.no_grad():
+        model(x, y)  # no graph (validation, a sanity check): passed by
+    assert found == [] and watch.watching
+    model(x, y)  # the auxiliary head is further from the loss: a scaling and the frozen projection on its way
+    assert found == [["head.weight", "head.bias"]] and not watch.watching
+    model(x, y)
+    assert len(found) == 1
+    assert all(not m._forward_hooks for m in model.modules())  # the hooks went with the finding
+
+    tied = FunctionalTied()  # the layer norm's output and the matrix are equally far: the matrix used in place wins
+    _, found = _watched(tied)
+    tied(torch.randint(0, VOCAB, (2, CONTEXT)))
+    assert found == [["wte.weight"]]
+
+
+def test_a_compiled_model_hides_its_modules_and_keeps_its_last_registered_one() -> None:
+    model = HeadRegisteredFirst()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _, found = _watched(compiled)
+    compiled(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+    # every trainable parameter is one step from the compiled graph's backward: the last registered module
+    assert found == [["_orig_mod.aux.weight", "_orig_mod.aux.bias"]]
 
 
 class Declares(nn.Module):
@@ -182,6 +279,7 @@ MODELS = {
     "lora": lambda: LoRAWrapper(TinyCausalLM()),
     "gpt2": lambda: _gpt2(lora=False),
     "gpt2-lora": lambda: _gpt2(lora=True),
+    "head-first": lambda: HeadFirstLM(),
 }
 
 
@@ -230,15 +328,19 @@ def _train(rank: int, world_size: int, kind: str) -> dict:
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            callbacks=[monitor := CompressionMonitor(print_summary=False, progress_bar=False)],
         )
         trainer.fit(module, DataLoader(TensorDataset(_tokens()), batch_size=16))
         hook = strategy.gradcomp_hook
+        table = io.StringIO()
+        Console(file=table, width=200).print(monitor.summary_table())
         results[preset] = {
             "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
             "before": before,
             "after": _loss(module),
             "units": [(u.names, u.compressed) for u in hook.units],
             "compressed": sum(s.compressed for s in hook.history),
+            "monitor": (monitor.output_layer, table.getvalue()),
         }
     return results
 
@@ -248,7 +350,8 @@ def test_a_tied_causal_lm_trains_on_two_ranks_with_its_output_layer_dense(kind: 
     if kind.startswith("gpt2"):  # skipped here, where the optional test dependencies are missing
         _gpt2(lora=kind.endswith("lora"))
     ranks = run_ranks(_train, 2, kind, init=False, timeout=400)
-    embedding = "model.transformer.wte.weight" if kind == "gpt2" else "model.wte.weight"
+    outputs = {"gpt2": "model.transformer.wte.weight", "head-first": "model.lm_head.weight"}
+    output = outputs.get(kind, "model.wte.weight")
     for preset, first in ranks[0].items():
         other = ranks[1][preset]
         for key, value in first["weights"].items():
@@ -257,11 +360,14 @@ def test_a_tied_causal_lm_trains_on_two_ranks_with_its_output_layer_dense(kind: 
         assert first["compressed"] >= 10, preset
         names = [name for unit, _ in first["units"] for name in unit]
         assert len(names) == len(set(names))  # every parameter in one unit, the tied matrix once
+        shown, table = first["monitor"]  # the compression monitor says which output layer stayed dense
+        assert shown == ([] if kind.endswith("lora") else [output]), preset
+        assert f"output layer averaged densely: {output if shown else 'frozen (none)'}" in table, preset
         if kind.endswith("lora"):
             assert names and all(".lora_" in name for name in names), preset  # frozen weights have no unit
         else:
             dense = {name for unit, compressed in first["units"] if not compressed for name in unit}
-            assert embedding in dense and not any("lm_head" in name for name in names), preset
+            assert dense & {name for name in names if "lm_head" in name or "wte" in name} == {output}, preset
 
 
 def test_hugging_face_gpt2_declares_its_tied_embedding_and_peft_freezes_it() -> None:

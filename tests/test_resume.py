@@ -4,7 +4,8 @@ Each case trains a model whose DDP bucket layout changes after the first step (a
 from the initial layout after the restart) three ways: straight through ``2 N`` steps; ``N`` steps
 in a run that stops there, checkpointed by ``ModelCheckpoint(every_n_train_steps=N)``; and a fresh
 set of processes resuming from that checkpoint to ``2 N``. Weights, compression memory and the
-step counter must be equal bit for bit.
+step counter must be equal bit for bit. The presets keep the output layer dense: the model's head, registered
+first, is found from the first forward pass of each run and the units planned again before its first bucket.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def _outcome(model: torch.nn.Module, strategy: GradCompStrategy) -> dict:
         "schedule": hook.state_dict()["schedule"],
         "regimes": [s.regime for s in hook.history],
         "buckets": [s.buckets for s in hook.history],
+        "dense": {name for unit in hook.units if not unit.compressed for name in unit.names},
     }
 
 
@@ -135,6 +137,9 @@ def test_resume_is_bit_identical_whatever_the_bucket_layout(world_size: int, tmp
             assert straight["buckets"][0] == 1 and straight["buckets"][N] > 1, label
             assert again["buckets"][0] == 1, label
             assert stopped["step"] == N and straight["step"] == again["step"] == 2 * N, label
+            if CASES[case].get("keep_last_layer_dense"):  # the head, registered first, found from the forward pass
+                dense = {"head.weight", "head.bias", "body.bias", "stem.bias"}  # the biases: under min_compress_numel
+                assert straight["dense"] == again["dense"] == dense, label
             assert straight["memory"].keys() == again["memory"].keys(), label
             assert bool(straight["memory"]) == (CASES[case]["memory"] != "none"), label
             for name in straight["memory"]:

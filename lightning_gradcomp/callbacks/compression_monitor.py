@@ -188,6 +188,8 @@ class CompressionMonitor(pl.Callback):
         self.print_summary = print_summary
         self.prefix = prefix
         self.summary: list[RankSummary] = []
+        #: the output layer the strategy averaged densely (``keep_last_layer_dense``), shown under the table
+        self.output_layer: list[str] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -250,6 +252,7 @@ class CompressionMonitor(pl.Callback):
         ]
         self.summary.append(self._summarise("all", total, total_norm, len(per_rank)))
         self.summary[-1].layers = self._layer_rows()
+        self.output_layer = trainer.strategy.output_layer
         if self.print_summary and trainer.is_global_zero:
             console = Console()
             console.print(self.summary_table())
@@ -352,6 +355,8 @@ class CompressionMonitor(pl.Callback):
         """The end-of-fit table (call after ``fit``): one column per rank (up to ``max_ranks``) and one for all."""
         shown = [s for s in self.summary if s.rank == "all" or len(self.summary) - 1 <= max_ranks]
         table = Table(title="Gradient compression, per optimizer step")
+        if self.output_layer is not None:
+            table.caption = f"output layer averaged densely: {', '.join(self.output_layer) or 'frozen (none)'}"
         table.add_column("")
         for s in shown:
             table.add_column("all ranks" if s.rank == "all" else f"rank {s.rank}", justify="right")
