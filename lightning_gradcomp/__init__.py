@@ -26,6 +26,7 @@ from lightning_gradcomp.compressors import (
     TopKCompressor,
     WirePrecision,
 )
+from lightning_gradcomp.diloco import OuterSync
 from lightning_gradcomp.fabric import GradCompFabricStrategy
 from lightning_gradcomp.hook import GradCompHook, StepStats, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
@@ -62,6 +63,7 @@ __all__ = [
     "IdentityCompressor",
     "Memory",
     "NoMemory",
+    "OuterSync",
     "PowerSGDCompressor",
     "QSGDCompressor",
     "RandomKCompressor",

@@ -75,6 +75,7 @@ class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
             **ddp_kwargs,
         )
         self._module: Module | None = None
+        self._optimizers: list[Optimizer] = []
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -99,7 +100,12 @@ class GradCompFabricStrategy(CompressionSettings, DDPStrategy):
         """Refuse an optimizer that adds momentum again under DGC's momentum correction."""
         if self._module is not None:
             self.check_momentum_correction(self._module.named_parameters(), [optimizer])
+        self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
+
+    @override
+    def _optimizers_to_check(self) -> list[Optimizer]:
+        return list(self._optimizers)
 
     @override
     def save_checkpoint(

@@ -286,6 +286,9 @@ class GradCompHook:
         self._current: StepStats | None = None
         self._in_flight: deque[_Exchange] = deque()
         self.track_layers = False
+        #: called once, at the first bucket, where every rank is in step (the strategies plan the units again
+        #: there with the output layer found from the first forward pass: :meth:`keep_dense`)
+        self.before_first_bucket: Callable[[], None] | None = None
         self._capture: frozenset[str] = frozenset()
         #: the loss scale the gradients are multiplied by under AMP (``GradScaler.get_scale``), for an adaptive
         #: schedule's gradient norms; the strategies set it from their precision plugin's scaler
@@ -299,7 +302,7 @@ class GradCompHook:
 
     def keep_dense(self, dense_names: frozenset[str]) -> None:
         """Plan the units afresh with ``dense_names`` averaged densely, before the hook's first bucket (an output
-        layer found from the model's first forward pass: :class:`~lightning_gradcomp.output_layer.OutputLayerWatch`).
+        layer found from the model's first forward pass: :attr:`before_first_bucket`).
 
         Nothing planned from the units exists yet then; what a checkpoint restored (memories by parameter name,
         warm starts by unit label) is keyed by names, not by the units' order.
@@ -355,6 +358,9 @@ class GradCompHook:
         the backward pass; dense steps (warm-up, identity baseline) return the allreduce's future.
         """
         buffer = bucket.buffer()
+        if self.before_first_bucket is not None:
+            first, self.before_first_bucket = self.before_first_bucket, None
+            first()
         if self._current is None:
             self._current = self._plan_step()
         stats = self._current

@@ -56,34 +56,40 @@ def registered_last(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> lis
 class OutputLayerWatch:
     """Finds the output layer of a model that declares none from its first forward pass with an autograd graph.
 
-    Forward hooks note the output of every module holding trainable parameters; when ``module``'s forward returns
-    an output that carries a graph, the graph is walked back from it breadth first, and the first step that
-    reaches a noted module output or a trainable parameter decides: a parameter reached there (a weight used in
-    the forward itself, as a tied embedding projecting to the logits) names its module, else the module whose
-    output it is. Several modules at the same distance (two heads summed into one loss; a compiled model, whose
-    graph holds its parameters but no module outputs): the one registered last. ``found`` gets the names of that
-    module's trainable parameters; the hooks are then removed. A forward without a graph (validation, a sanity
-    check) is passed by, and so is any hook call that ``torch.compile`` traces (it reads no ``grad_fn``, which
-    would break the graph): a model compiled as a whole, ``module`` included, keeps the registration-order rule.
+    Forward hooks note the output of every module holding trainable parameters; when ``module``'s outermost forward
+    (a forward called inside it, as Lightning's ``training_step`` calls ``self(x)``, is passed by, its finding kept
+    as :attr:`nested_found`) returns an output that carries a graph, the graph is walked back breadth first from its
+    loss (a ``"loss"`` entry, else all of its tensors), and the first step that reaches a noted module output or a
+    trainable parameter decides: a parameter reached there (a weight used in the forward itself, as a tied embedding
+    projecting to the logits) names its module, else the module whose output it is. Several modules at the same
+    distance (two heads summed into one loss; a compiled model, whose graph holds its parameters but no module
+    outputs): the one registered last. :attr:`found` then holds that module's trainable parameters (a weight shared
+    with a module registered earlier, under the name it is registered by) and the hooks are removed. A forward
+    without a graph (validation, a sanity check) is passed by, and so is any hook call that ``torch.compile`` or
+    ``torch.jit.trace`` traces (it reads no ``grad_fn``, which would break the graph; a logger drawing the graph
+    traces it): a model compiled as a whole, ``module`` included, keeps the registration-order rule. The finding is
+    this rank's alone; the caller makes it every rank's.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        named_parameters: Sequence[tuple[str, torch.Tensor]],
-        found: Callable[[list[str]], None],
-    ) -> None:
+    def __init__(self, module: nn.Module, named_parameters: Sequence[tuple[str, torch.Tensor]]) -> None:
         self._trainable = {id(p): name for name, p in named_parameters if p.requires_grad}
         self._order = {name: i for i, name in enumerate(self._trainable.values())}
-        self._found = found
-        self._noted: dict[Any, str] = {}
+        #: the names of the output layer's trainable parameters, once found at the outermost forward
+        self.found: list[str] | None = None
+        #: what a forward inside the outermost one found (under Lightning's manual optimization the gradients,
+        #: and with them the first bucket, come before the outermost forward returns): used without ``found``
+        self.nested_found: list[str] | None = None
+        self._noted: dict[Any, list[str]] = {}
+        self._depth = 0
         holders = [
-            (name, sub)
-            for name, sub in module.named_modules()
-            if any(id(p) in self._trainable for p in sub.parameters(recurse=False))
+            (sub, [self._trainable[id(p)] for p in sub.parameters(recurse=False) if id(p) in self._trainable])
+            for sub in module.modules()
         ]
-        self._handles: list[RemovableHandle] = [sub.register_forward_hook(self._noter(name)) for name, sub in holders]
-        self._handles.append(module.register_forward_hook(self._decide))
+        self._handles: list[RemovableHandle] = [
+            sub.register_forward_hook(self._noter(own)) for sub, own in holders if own
+        ]
+        self._handles.append(module.register_forward_pre_hook(self._enter))
+        self._handles.append(module.register_forward_hook(self._decide, always_call=True))  # a raising one too
 
     @property
     def watching(self) -> bool:
@@ -97,44 +103,63 @@ class OutputLayerWatch:
         self._handles = []
         self._noted = {}
 
-    def _noter(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+    def _noter(self, own: list[str]) -> Callable[[nn.Module, Any, Any], None]:
         def note(_module: nn.Module, _inputs: Any, output: Any) -> None:
             if torch.compiler.is_compiling():  # a compiled graph has no module outputs to note (nor grad_fn to read)
                 return
             for tensor in _tensors(output):
                 if tensor.grad_fn is not None:
-                    self._noted.setdefault(tensor.grad_fn, name)
+                    self._noted.setdefault(tensor.grad_fn, own)
 
         return note
 
+    def _enter(self, _module: nn.Module, _inputs: Any) -> None:
+        self._depth += 1
+
     def _decide(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():  # inside a compiled graph: decided at an eager call, if any
+        self._depth = max(0, self._depth - 1)  # a pre-hook that raised before ours leaves nothing counted
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a traced call (a logger drawing the graph)
             return
-        roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        roots = [t.grad_fn for t in _loss_tensors(output) if t.grad_fn is not None]
+        if self._depth:  # a call inside the outermost one (``self(x)`` in ``training_step``): a fallback only
+            if roots and self.nested_found is None:
+                self.nested_found = self._last_registered(self._nearest(roots))
+            return
         if not roots:
             self._noted = {}
             return
-        owners = self._nearest_owners(roots)
+        candidates = self._nearest(roots)
         self.remove()
-        if owners:
-            last = max(owners, key=lambda owner: max(self._order[n] for n in _held_by(owner, self._order)))
-            self._found(_held_by(last, list(self._order)))
+        self.found = self._last_registered(candidates)
 
-    def _nearest_owners(self, roots: list[Any]) -> set[str]:
-        """The modules owning the first parameters, else the first noted module outputs, reached from ``roots``."""
+    def _last_registered(self, candidates: list[list[str]]) -> list[str] | None:
+        """Of several modules at the same distance, the one registered last."""
+        return max(candidates, key=lambda names: max(self._order[n] for n in names)) if candidates else None
+
+    def _nearest(self, roots: list[Any]) -> list[list[str]]:
+        """The trainable parameters of each module owning the first parameters reached from ``roots``, else of each
+        module whose output is reached first."""
         frontier, seen = list(dict.fromkeys(roots)), set(roots)
         while frontier:
             reached = [self._trainable.get(id(getattr(node, "variable", None))) for node in frontier]
-            parameters = {_owner(name) for name in reached if name is not None}
-            if parameters:
-                return parameters
-            outputs = {self._noted[node] for node in frontier if node in self._noted}
+            owners = dict.fromkeys(_owner(name) for name in reached if name is not None)
+            if owners:
+                return [_held_by(owner, list(self._order)) for owner in owners]
+            outputs = [self._noted[node] for node in frontier if node in self._noted]
             if outputs:
                 return outputs
             following = [after for node in frontier for after, _ in node.next_functions if after is not None]
             frontier = [node for node in dict.fromkeys(following) if node not in seen]
             seen.update(frontier)
-        return set()
+        return []
+
+
+def _loss_tensors(output: Any) -> list[torch.Tensor]:
+    """Where the graph is walked from: a ``"loss"`` entry (the Trainer's ``{"loss": ...}``, a ``ModelOutput``), else
+    every tensor of the output (the loss a ``training_step`` returns, logits, an auxiliary loss beside them)."""
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return [output["loss"]]
+    return list(_tensors(output))
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:
@@ -155,7 +180,7 @@ def _owner(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _held_by(owner: str, names: Sequence[str] | dict[str, int]) -> list[str]:
+def _held_by(owner: str, names: Sequence[str]) -> list[str]:
     """The parameter names among ``names`` registered directly in module ``owner``."""
     return [name for name in names if _owner(name) == owner]
 

@@ -274,7 +274,13 @@ class CompressionSettings:
         ``module``, the model the parameters belong to, tells its output layer where it declares it
         (:func:`~lightning_gradcomp.output_layer.output_layer_names`: a tied embedding, under LoRA too).
         """
-        output = output_layer_names(module, named_parameters) if self.keep_last_layer_dense else []
+        if not self.keep_last_layer_dense:
+            output: list[str] = []
+        elif self.output_layer is not None:  # declared, or found from the first forward pass
+            names = {name for name, _ in named_parameters}
+            output = [name for name in self.output_layer if name in names]
+        else:
+            output = output_layer_names(module, named_parameters)
         return self._matched_dense(named_parameters) | frozenset(output)
 
     def _matched_dense(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> frozenset[str]:
@@ -387,25 +393,44 @@ class CompressionSettings:
         group: torch.distributed.ProcessGroup | None,
     ) -> None:
         """Find the output layer of a model that declares none from its first forward pass with a graph
-        (:class:`~lightning_gradcomp.output_layer.OutputLayerWatch`) and replan ``hook``'s units with it dense.
+        (:class:`~lightning_gradcomp.output_layer.OutputLayerWatch`) and plan ``hook``'s units again with it dense.
 
-        Every rank takes rank 0's finding (one object broadcast at that forward pass), so a data-dependent graph
-        cannot make the ranks plan different units.
+        Every rank takes rank 0's finding, broadcast at the hook's first bucket (where DDP holds every rank in
+        step, whatever forward passes one rank ran alone before it: a logger tracing the graph on rank 0), so a
+        data-dependent graph cannot make the ranks plan different units.
         """
         guess = frozenset(registered_last(named))
+        self.output_layer = None  # a model of an earlier fit's may have set it
+        if self._output_watch is not None:
+            self._output_watch.remove()
+        watch = self._output_watch = OutputLayerWatch(module, named)
 
-        def found(names: list[str]) -> None:
+        def share() -> None:
+            names = watch.found if watch.found is not None else watch.nested_found
+            watch.remove()
             if torch.distributed.get_world_size(group) > 1:
                 shared: list[Any] = [names]
-                torch.distributed.broadcast_object_list(shared, group=group, group_src=0)
+                source = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+                torch.distributed.broadcast_object_list(shared, src=source, group=group)
                 names = shared[0]
+            if names is None:
+                self.output_layer = sorted(guess, key=[name for name, _ in named].index)
+                rank_zero_info(
+                    "keep_last_layer_dense: no forward pass with a graph came before the first gradients; the module "
+                    f"of the last registered trainable parameter stays dense: {sorted(guess)}"
+                )
+                return
             self._say_output_layer(names, named, "found from the first training step's forward pass")
             if frozenset(names) != guess:
                 hook.keep_dense(self._matched_dense(named) | frozenset(names))
+                self.check_momentum_correction(named, self._optimizers_to_check())
 
-        if self._output_watch is not None:
-            self._output_watch.remove()
-        self._output_watch = OutputLayerWatch(module, named, found)
+        hook.before_first_bucket = share
+
+    def _optimizers_to_check(self) -> list[torch.optim.Optimizer]:
+        """The optimizers :meth:`check_momentum_correction` checks again when the units are planned anew (the
+        strategies give theirs)."""
+        return []
 
     def _node_topology(
         self, group: torch.distributed.ProcessGroup | None, node_id: object, timeout: timedelta | None
@@ -435,7 +460,10 @@ class CompressionSettings:
         """Check the ranks agree, build the hook for ``ddp``'s module over its process group, give it a state
         loaded before it existed, and register it on ``ddp``."""
         named = list(ddp.module.named_parameters())
+        self.output_layer = None  # found anew for this model
         self.check_settings_agree(named, ddp.process_group, ddp.module)
+        if self.gradcomp_hook is not None:  # a hook built before (another fit) stops noting gradients
+            self.gradcomp_hook.arrivals.remove()
         self.gradcomp_hook = self.build_hook(ddp.module, ddp.process_group, node_id, timeout)
         if self._pending_hook_state is not None:
             self.gradcomp_hook.load_state_dict(self._pending_hook_state)

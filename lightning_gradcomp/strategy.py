@@ -208,6 +208,10 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         self.install_hook(self.model, node_id=node_id, timeout=self.process_group_timeout)
 
     @override
+    def _optimizers_to_check(self) -> list[torch.optim.Optimizer]:
+        return list(self.optimizers)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self.check_momentum_correction(self.lightning_module.named_parameters(), self.optimizers)

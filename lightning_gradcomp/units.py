@@ -81,8 +81,7 @@ def refuse_sparse_gradients(module: torch.nn.Module) -> None:
     ``nn.EmbeddingBag`` built with ``sparse=True``): DDP hands a communication hook dense buckets only (it reduces
     sparse gradients apart), so no unit can hold it."""
     for path, sub in module.named_modules():
-        weight = getattr(sub, "weight", None)
-        if getattr(sub, "sparse", False) is True and isinstance(weight, Tensor) and weight.requires_grad:
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
             name = f"{path}.weight" if path else "weight"
             raise ValueError(
                 f"parameter {name!r} gets sparse gradients ({type(sub).__name__}(sparse=True)); a DDP communication "

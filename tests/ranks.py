@@ -1,12 +1,12 @@
-"""Start real ranks for a test: spawned processes over gloo on loopback, with a hard deadline.
+"""Start real ranks for a test: processes over gloo on loopback, with a hard deadline.
 
-``run_ranks(fn, P, *args)`` runs ``fn(rank, P, *args)`` in P processes and returns their results
-in rank order. A worker that runs several independent cases in one launch (starting ranks costs
-seconds) runs them through :func:`run_cases`, and each test reads its own with
-:func:`case_results`: a case that raises fails its own tests, with its ranks' tracebacks, and not
-every test of the launch. With ``init=True`` the default process group is initialised (gloo, 60 s timeout);
-with ``init=False`` only the environment Lightning reads is set (``LOCAL_RANK`` and friends), so
-a ``Trainer`` in ``fn`` joins the ranks as under torchrun.
+``run_ranks(fn, P, *args)`` runs ``fn(rank, P, *args)`` in P processes (forked from a server that has imported
+torch and Lightning once, with the test's environment as it is at the launch) and returns their results in rank
+order. A worker that runs several independent cases in one launch (starting ranks costs seconds) runs them
+through :func:`run_cases`, and each test reads its own with :func:`case_results`: a case that raises fails its
+own tests, with its ranks' tracebacks, and not every test of the launch. With ``init=True`` the default process
+group is initialised (gloo, 60 s timeout); with ``init=False`` only the environment Lightning reads is set
+(``LOCAL_RANK`` and friends), so a ``Trainer`` in ``fn`` joins the ranks as under torchrun.
 """
 
 from __future__ import annotations
@@ -32,13 +32,34 @@ from lightning_gradcomp.torch_ddp import destroy_process_group
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=60)
 
 
+#: what the fork server imports once, for every rank forked from it
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_gradcomp", "models", "ranks"]
+
+
+def _forkserver() -> Any:
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, init: bool, args: tuple) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    out: str,
+    init: bool,
+    args: tuple,
+    environment: dict[str, str],
+) -> None:
+    os.environ.clear()  # the test's environment as it is now (a forked rank has the fork server's, from its start)
+    os.environ.update(environment)
     os.environ.update(
         OMP_NUM_THREADS="1",
         MASTER_ADDR="127.0.0.1",
@@ -64,14 +85,20 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: s
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, init: bool = True, timeout: float = 180
+    fn: Callable[..., Any], world_size: int, *args: Any, init: bool = True, timeout: float = 180, fresh: bool = False
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; results in rank order."""
-    context = mp.get_context("spawn")
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; results in rank order.
+
+    The ranks are forked from a server that imported torch, Lightning and the package once (a freshly spawned
+    interpreter imports them again, about 5 s of CPU per rank on the 2-core CI machine); ``fresh=True`` spawns
+    them instead, for a test that needs what only a new interpreter reads at start-up (malloc's environment).
+    """
+    context = mp.get_context("spawn") if fresh else _forkserver()
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
         procs = [
-            context.Process(target=_entry, args=(fn, r, world_size, port, out, init, args)) for r in range(world_size)
+            context.Process(target=_entry, args=(fn, r, world_size, port, out, init, args, dict(os.environ)))
+            for r in range(world_size)
         ]
         for p in procs:
             p.start()

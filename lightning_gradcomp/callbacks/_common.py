@@ -46,6 +46,11 @@ def compressed_parameters(strategy: GradCompStrategy, pl_module: pl.LightningMod
     gradients never reach the hook.
     """
     named = list(pl_module.named_parameters())
+    hook, sizes = strategy.gradcomp_hook, dict(named)
+    if hook is not None and all(name in sizes for unit in hook.units for name in unit.names):
+        # the units as planned (again, once the output layer is found from the first forward pass); a hook of an
+        # earlier fit's other model is passed by
+        return {name: sizes[name].numel() for unit in hook.units if unit.compressed for name in unit.names}
     dense = strategy.dense_parameter_names(named, pl_module)
     return {
         name: p.numel()

@@ -194,8 +194,8 @@ class BoundCheck(pl.Callback):
         """Check the strategy and the layer names against the trainer and the model."""
         owner = type(self).__name__
         strategy = require_strategy(trainer, owner)
-        layers = resolve_layers(owner, self.layers, strategy, pl_module)
-        self._names = layers if layers is not None else tuple(compressed_parameters(strategy, pl_module))
+        self._names = resolve_layers(owner, self.layers, strategy, pl_module) or ()
+        self._strategy = strategy
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pending = False
@@ -212,6 +212,8 @@ class BoundCheck(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         hook = hook_of(trainer)
+        if self.layers is None:  # every compressed layer, as the units are planned now (the first step may plan anew)
+            self._names = tuple(compressed_parameters(self._strategy, pl_module))
         if self._names and ((hook.step + 1) % self.every_n_steps == 0 or self._pending):
             hook.request_capture(self._names)
             self._pending = True

@@ -114,6 +114,7 @@ class GradientHistogram(pl.Callback):
         self.dirname = dirname
         self.written: list[Path] = []
         self._names: tuple[str, ...] = ()
+        self._strategy: Any = None
         self._tensorboard: TensorBoardLogger | None = None
         self._directory: Path | None = None
         self._pending = False
@@ -125,13 +126,10 @@ class GradientHistogram(pl.Callback):
         """Check the strategy, the layer names and the backend against the trainer and the model."""
         owner = type(self).__name__
         strategy = require_strategy(trainer, owner)
-        layers = resolve_layers(owner, self.layers, strategy, pl_module)
-        if layers is None:
-            compressed = compressed_parameters(strategy, pl_module)
-            if not compressed:
-                raise ValueError(f"{owner}: the strategy compresses no parameter of this model; nothing to draw")
-            layers = (max(compressed, key=compressed.__getitem__),)
-        self._names = layers
+        self._strategy = strategy
+        self._names = resolve_layers(owner, self.layers, strategy, pl_module) or self._largest(pl_module)
+        if not self._names:
+            raise ValueError(f"{owner}: the strategy compresses no parameter of this model; nothing to draw")
         tensorboard = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
         if self.backend == "tensorboard" and not tensorboard:
             raise ValueError(f"{owner}: backend='tensorboard' needs a TensorBoardLogger among the trainer's loggers")
@@ -142,6 +140,11 @@ class GradientHistogram(pl.Callback):
                 f"{owner} draws PNG plots with matplotlib, which is not installed: pip install matplotlib "
                 "(or add a TensorBoardLogger to the trainer to log TensorBoard histograms instead)"
             )
+
+    def _largest(self, pl_module: pl.LightningModule) -> tuple[str, ...]:
+        """The largest compressed parameter (none when nothing is compressed)."""
+        compressed = compressed_parameters(self._strategy, pl_module)
+        return (max(compressed, key=compressed.__getitem__),) if compressed else ()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pending = False
@@ -163,6 +166,8 @@ class GradientHistogram(pl.Callback):
         if not trainer.is_global_zero:
             return
         hook = hook_of(trainer)
+        if self.layers is None:  # the largest compressed layer as the units are planned now (the first step may)
+            self._names = self._largest(pl_module) or self._names
         if (hook.step + 1) % self.every_n_steps == 0 or self._pending:
             hook.request_capture(self._names)
             self._pending = True

@@ -293,7 +293,10 @@ class PowerSGDCompressor(Compressor):
                 q_mean = total[part.second].view(-1, p_hat.shape[1])
                 torch.matmul(p_hat, q_mean.T, out=target.view(p_hat.shape[0], -1))
         if all_finite(total):
-            payload.warm_start.copy_(total)
+            for part in payload.parts:  # a matrix whose mean Q is zero (no rank's M had anything) keeps its Q:
+                if part.second is not None:  # from Q = 0, P = M Q would stay zero whatever M became
+                    kept, mean_q = payload.warm_start[part.second], total[part.second]
+                    kept.copy_(torch.where(mean_q.any(), mean_q, kept))
         payload.mean = mean
         return mean
 
