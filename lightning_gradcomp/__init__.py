@@ -26,7 +26,7 @@ from lightning_gradcomp.compressors import (
     TopKCompressor,
     WirePrecision,
 )
-from lightning_gradcomp.diloco import OuterSync
+from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
 from lightning_gradcomp.fabric import GradCompFabricStrategy
 from lightning_gradcomp.hook import GradCompHook, StepStats, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
@@ -37,6 +37,7 @@ from lightning_gradcomp.torch_ddp import make_hook
 __version__ = "0.1.0.dev0"
 
 GradCompStrategy.register_strategies(StrategyRegistry)
+GradCompDiLoCoStrategy.register_strategies(StrategyRegistry)
 GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "ErrorFeedback",
     "GTopKAggregator",
     "GaussianKCompressor",
+    "GradCompDiLoCoStrategy",
     "GradCompFabricStrategy",
     "GradCompHook",
     "GradCompStrategy",

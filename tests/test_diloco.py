@@ -19,13 +19,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import quiet_trainer
 from ranks import run_ranks
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_gradcomp.diloco import OuterSync
+from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
 
 H = 5
 SYNCS = 3
@@ -254,3 +258,175 @@ def test_every_rank_starts_from_rank_zeros_weights_and_a_parameter_frozen_later_
     model[2].requires_grad_(False)
     with pytest.raises(RuntimeError, match=r"parameters \['2.bias', '2.weight'\] were frozen after OuterSync"):
         sync.step()
+
+
+class Regression(pl.LightningModule):
+    """The same model and inner AdamW under the Trainer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+EPOCH = 4  # optimizer steps per epoch on each rank: a checkpoint at its end falls between two synchronisations
+LIGHTNING_H = 3
+
+
+def _data(world_size: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(16 * EPOCH * world_size, 8, generator=generator)
+    return TensorDataset(x, x[:, :2] * 2 + 0.1 * torch.randn(len(x), 2, generator=generator))
+
+
+class CountCollectives(pl.Callback):
+    """Every torch.distributed collective from the start to the end of each training batch (the strategy's part:
+    Lightning's loop broadcasts its SIGTERM flag just before), the synchronisations' apart."""
+
+    def __init__(self) -> None:
+        self.inner = 0
+        self.at_syncs = 0
+        self._originals: dict[str, Any] = {}
+        self._counted = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._counted, self._calls = 0, trainer.strategy.outer_sync.counter.calls
+        self._originals = {name: getattr(dist, name) for name in COLLECTIVES}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counting(original))
+
+    def _counting(self, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._counted += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        syncs = trainer.strategy.outer_sync.counter.calls - self._calls
+        self.at_syncs += syncs
+        self.inner += self._counted - syncs
+
+
+def _fit(world_size: int, steps: int, **kwargs: Any) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    module = Regression()
+    strategy = GradCompDiLoCoStrategy(sync_every=LIGHTNING_H)
+    count = CountCollectives()
+    trainer = quiet_trainer(strategy, world_size, steps, [count, *kwargs.pop("callbacks", [])])
+    trainer.fit(module, DataLoader(_data(world_size), batch_size=16), **kwargs)
+    return {
+        "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "anchor": {k: v.clone() for k, v in strategy.outer_sync.anchor.items()},
+        "outer": strategy.outer_sync.state_dict()["outer"],
+        "inner_steps": strategy.outer_sync.inner_steps,
+        "collectives": (count.inner, count.at_syncs),
+    }
+
+
+def _plain(rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """The same run in a plain torch loop: the same shard of the data in the same order, OuterSync."""
+    pl.seed_everything(0, verbose=False)
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = OuterSync(model.named_parameters(), sync_every=LIGHTNING_H)
+    # the sampler Lightning puts in a training loader: shuffled from the global seed, reshuffled every epoch
+    sampler = DistributedSampler(_data(world_size), num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(_data(world_size), batch_size=16, sampler=sampler)
+    batches = []
+    for epoch in range(steps // EPOCH):
+        sampler.set_epoch(epoch)
+        batches += list(loader)
+    for x, y in batches:
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        sync.step()
+    return {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _lightning_runs(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    checkpoint = ModelCheckpoint(dirpath=out, filename="half", every_n_train_steps=EPOCH, save_top_k=-1)
+    return {
+        "straight": _fit(world_size, 2 * EPOCH),
+        "stopped": _fit(world_size, EPOCH, callbacks=[checkpoint]),
+    }
+
+
+def _lightning_resumed(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    resumed = _fit(world_size, 2 * EPOCH, ckpt_path=str(Path(out) / "half.ckpt"))
+    torch.distributed.barrier()
+    return {"resumed": resumed, "plain": _plain(rank, world_size, 2 * EPOCH)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_trainer_strategy_is_the_plain_loop_and_resumes_between_synchronisations(
+    world_size: int, tmp_path: Path
+) -> None:
+    first = run_ranks(_lightning_runs, world_size, str(tmp_path), init=False)
+    again = run_ranks(_lightning_resumed, world_size, str(tmp_path), init=False)
+    syncs = 2 * EPOCH // LIGHTNING_H
+    for rank in range(world_size):
+        straight, resumed, plain = first[rank]["straight"], again[rank]["resumed"], again[rank]["plain"]
+        assert straight["collectives"] == (0, syncs)  # inner steps exchange nothing; one allreduce per sync
+        assert first[rank]["stopped"]["inner_steps"] == EPOCH and resumed["inner_steps"] == 2 * EPOCH
+        for name, value in straight["weights"].items():
+            assert torch.equal(value, plain[name]), (rank, name)  # the Trainer adds nothing to the algorithm
+            assert torch.equal(value, resumed["weights"][name]), (rank, name)  # this rank's own weights came back
+        for name, value in straight["anchor"].items():
+            assert torch.equal(value, resumed["anchor"][name]), (rank, name)
+            assert torch.equal(value, first[0]["straight"]["anchor"][name]), (rank, name)  # theta_prev: shared
+    # after the last synchronisation the ranks trained on alone: their weights differ, as in DiLoCo
+    assert not torch.equal(
+        first[0]["straight"]["weights"]["net.0.weight"], first[1]["straight"]["weights"]["net.0.weight"]
+    )
+
+
+def test_the_strategy_refuses_ddp_wrapper_arguments_and_bad_outer_settings() -> None:
+    with pytest.raises(ValueError, match=r"do not pass its arguments \['find_unused_parameters'\]"):
+        GradCompDiLoCoStrategy(find_unused_parameters=True)
+    assert GradCompDiLoCoStrategy(ddp_comm_hook=None).sync_every == 500  # a config parser's explicit defaults
+    with pytest.raises(ValueError, match="sync_every"):
+        GradCompDiLoCoStrategy(sync_every=0)
+    with pytest.raises(ValueError, match="outer_lr"):
+        GradCompDiLoCoStrategy(outer_lr=-1.0)
+    trainer = pl.Trainer(strategy="ddp_diloco", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, GradCompDiLoCoStrategy)
+
+
+class TwoOptimizers(Regression):
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.AdamW(self.net[0].parameters()), torch.optim.AdamW(self.net[2].parameters())]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        return None
+
+
+def _two_optimizers(rank: int, world_size: int) -> str:
+    trainer = quiet_trainer(GradCompDiLoCoStrategy(sync_every=2), world_size, 2)
+    module = TwoOptimizers()
+    module.automatic_optimization = False
+    try:
+        trainer.fit(module, DataLoader(_data(world_size), batch_size=16))
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_the_strategy_refuses_more_than_one_inner_optimizer() -> None:
+    assert (
+        run_ranks(_two_optimizers, 2, init=False)
+        == [
+            "GradCompDiLoCoStrategy synchronises after every sync_every-th step of one inner optimizer; "
+            "configure_optimizers returned 2"
+        ]
+        * 2
+    )

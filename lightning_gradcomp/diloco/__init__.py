@@ -2,5 +2,6 @@
 hook, over the same core: :mod:`lightning_gradcomp.comm` for the exchange and its byte count)."""
 
 from lightning_gradcomp.diloco.outer import OuterSync
+from lightning_gradcomp.diloco.strategy import GradCompDiLoCoStrategy
 
-__all__ = ["OuterSync"]
+__all__ = ["GradCompDiLoCoStrategy", "OuterSync"]

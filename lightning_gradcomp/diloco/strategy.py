@@ -1,0 +1,181 @@
+"""``GradCompDiLoCoStrategy`` (``strategy="ddp_diloco"``): DiLoCo under Lightning's Trainer.
+
+Each rank trains its own copy of the model (no ``DistributedDataParallel``: inner steps exchange nothing) on its
+share of the data, and after every ``sync_every``-th optimizer step :class:`~lightning_gradcomp.diloco.OuterSync`
+averages the pseudo-gradient over the ranks and takes the outer step. Between two synchronisations the ranks hold
+different weights and inner optimizer states, so a checkpoint keeps each rank's own beside it (one shard per rank,
+as the compression state of the DDP strategies: :mod:`lightning_gradcomp.checkpoint`), with ``theta_prev``, the
+outer optimizer's state and the precision plugin's (each rank's loss scaler sees its own gradients); a resumed run
+goes on from exactly where each rank was. Buffers (BatchNorm's statistics) stay each rank's own, as in torchft's
+DiLoCo. The checkpoint's weights, and what ``trainer.validate`` evaluates after ``fit``, are rank 0's own, up to
+``sync_every - 1`` steps past the last synchronisation (``theta_prev`` is ``strategy.outer_sync.anchor``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_gradcomp.checkpoint import manifest, read_shard, remove_shards, write_shard
+from lightning_gradcomp.diloco.outer import OuterSync
+from lightning_gradcomp.validation import check_bool, check_int, check_number
+
+__all__ = ["DILOCO_KEY", "GradCompDiLoCoStrategy"]
+
+#: The manifest's key in the checkpoint.
+DILOCO_KEY = "diloco"
+
+
+class GradCompDiLoCoStrategy(DDPStrategy):
+    """Local SGD with an outer optimizer (Douillard et al., 2023): ``sync_every`` inner steps, then one exchange.
+
+    Args:
+        sync_every: optimizer steps between synchronisations (``H``, at least 1).
+        outer_lr: the outer SGD's learning rate (> 0; the paper's 0.7).
+        outer_momentum: its momentum, in [0, 1) (the paper's 0.9).
+        nesterov: Nesterov momentum (the paper's), which needs ``outer_momentum > 0``.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments (``timeout``, ...); those of the
+            ``DistributedDataParallel`` wrapper are refused (there is none).
+    """
+
+    strategy_name = "ddp_diloco"
+
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.outer_lr = check_number("outer_lr", outer_lr, 0, float("inf"), open_min=True, open_max=True)
+        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0, 1, open_max=True)
+        self.nesterov = check_bool("nesterov", nesterov)
+        if nesterov and not outer_momentum:
+            raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain outer SGD")
+        allowed = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                   "process_group_backend", "timeout", "start_method")  # fmt: skip
+        wrapper = sorted(k for k, value in kwargs.items() if k not in allowed and value is not None)
+        kwargs = {k: value for k, value in kwargs.items() if k in allowed}  # a config parser's Nones dropped
+        if wrapper:
+            raise ValueError(
+                f"GradCompDiLoCoStrategy trains without a DistributedDataParallel wrapper (inner steps exchange "
+                f"nothing); do not pass its arguments {wrapper}"
+            )
+        super().__init__(**kwargs)
+        self.outer_sync: OuterSync | None = None
+        self._pending: dict[str, Any] | None = None
+        self._run_tag = uuid.uuid4().hex
+        self._saves = 0
+
+    @override
+    def configure_ddp(self) -> None:
+        """No ``DistributedDataParallel``: build the outer loop (every rank starts from rank 0's weights), and give
+        a restored rank its own weights and ``theta_prev`` back."""
+        module = self.lightning_module
+        self.outer_sync = OuterSync(
+            module.named_parameters(), self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov
+        )
+        shared: list[Any] = [self._run_tag]
+        torch.distributed.broadcast_object_list(shared, src=0)  # the tag that marks this run's shards
+        self._run_tag = shared[0]
+        if self._pending is not None:
+            module.load_state_dict(self._pending["model"], strict=module.strict_loading)
+            self.outer_sync.load_state_dict(self._pending["outer"])
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) != 1:
+            raise ValueError(
+                f"GradCompDiLoCoStrategy synchronises after every sync_every-th step of one inner optimizer; "
+                f"configure_optimizers returned {len(self.optimizers)}"
+            )
+
+    @override
+    def teardown(self) -> None:
+        self._pending = None
+        super().teardown()
+
+    @override
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The inner step, then (every ``sync_every``-th) the synchronisation."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.outer_sync is not None
+        self.outer_sync.step()
+        return output
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write this rank's weights, inner optimizer states and outer state beside ``filepath`` (every rank), then
+        the checkpoint with their manifest (rank 0)."""
+        if "optimizer_states" in checkpoint and self.outer_sync is not None:
+            self._saves += 1
+            tag = f"{self._run_tag}-{self._saves}"
+            shard = {
+                "tag": tag,
+                "model": self.lightning_module.state_dict(),
+                "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                "outer": self.outer_sync.state_dict(),
+                "precision": self.precision_plugin.state_dict(),
+            }
+            write_shard(filepath, self.global_rank, self.world_size, shard)
+            checkpoint[DILOCO_KEY] = manifest(self.world_size, tag, "diloco", "none")
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and its shards (rank 0 all of them, each rank its own)."""
+        super().remove_checkpoint(filepath)
+        remove_shards(filepath, self.global_rank, self.world_size)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint and, to fit on, this rank's own shard (applied once the model and optimizers exist;
+        evaluating takes rank 0's weights, as under DDP)."""
+        self._pending = None
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(DILOCO_KEY)
+        if saved is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            if saved["world_size"] != self.world_size:
+                raise ValueError(
+                    f"the checkpoint {checkpoint_path} holds the DiLoCo state of {saved['world_size']} ranks, but "
+                    f"this run has {self.world_size}"
+                )
+            self._pending = read_shard(checkpoint_path, self.global_rank, saved)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._pending is not None:  # this rank's own weights, not rank 0's
+            self.lightning_module.load_state_dict(self._pending["model"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._pending is not None:  # this rank's own inner optimizer states, and its loss scaler's
+            for optimizer, state in zip(self.optimizers, self._pending["optimizers"], strict=True):
+                optimizer.load_state_dict(state)
+            if self._pending["precision"]:
+                self.precision_plugin.load_state_dict(self._pending["precision"])
+            self._pending = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="DiLoCo: local SGD, the pseudo-gradient averaged every sync_every steps (outer Nesterov SGD)",
+            override=True,
+        )
