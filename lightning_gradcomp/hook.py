@@ -278,6 +278,9 @@ class GradCompHook:
         # an adaptive schedule's per-parameter squared gradient norms of the step, summed in parameter order
         self._squared_norms = torch.zeros(len(named_parameters), dtype=torch.float64, device=self._device)
         self._shapes, self._assembler = self._routes()
+        # parameters of dense units whose state owed by the memory (a checkpoint of another plan, where they were
+        # compressed) went with their first gradient of a compressed step; a memory keeps none for them after that
+        self._flushed_dense: set[str] = set()
         # model-sized buffers (a unit's flat copy, its average, its wire summand) kept from step to step
         self.workspace = Workspace()
         self._dense = IdentityCompressor()
@@ -311,6 +314,7 @@ class GradCompHook:
             raise RuntimeError("the units are planned before the hook's first bucket; it has handled some already")
         self.units = self._plan_units(dense_names=dense_names)
         self._shapes, self._assembler = self._routes()
+        self._flushed_dense = set()
 
     def request_capture(self, names: "frozenset[str] | set[str] | list[str]") -> None:
         """Keep the tensors of parameters ``names`` at the next compressed step, in ``StepStats.captures``.
@@ -466,10 +470,14 @@ class GradCompHook:
                 stats.selected += selected or 0
                 if self.track_layers:
                     stats.layers[unit.label] = LayerStats(x.numel(), payload.nbytes, selected)
-            else:  # what a memory still owes a parameter now averaged densely (another plan's checkpoint) goes too
-                for name, part, out in zip(unit.names, pieces(x, unit.numels), self._sat_out(unit.names), strict=True):
-                    if not out:
-                        self.memory.flush_(name, part)
+            else:
+                if not self._flushed_dense.issuperset(unit.names):  # what a memory owes from another plan, once
+                    for name, part, out in zip(
+                        unit.names, pieces(x, unit.numels), self._sat_out(unit.names), strict=True
+                    ):
+                        if not out and name not in self._flushed_dense:
+                            self._flushed_dense.add(name)
+                            self.memory.flush_(name, part)
                 contributions.append(Contribution(self._dense, self._dense.compress(x), scratch=scratch))
         pending = self.aggregator.start(contributions, self.topology.collectives) if contributions else None
         waited = self.counter.seconds - comm_before + self._intra_seconds() - intra_before  # scales, sizes, node sums

@@ -83,16 +83,20 @@ class SitsOut(pl.LightningModule):
 
 
 def quiet_trainer(
-    strategy: pl.strategies.Strategy | str, world_size: int, steps: int, callbacks: list[pl.Callback] | None = None
+    strategy: pl.strategies.Strategy | str,
+    world_size: int,
+    steps: int,
+    callbacks: list[pl.Callback] | None = None,
+    logger: pl.loggers.Logger | bool = False,
 ) -> pl.Trainer:
-    """A CPU Trainer of ``steps`` steps on ``world_size`` devices that logs, prints and checkpoints nothing unless a
-    ``ModelCheckpoint`` is among ``callbacks``."""
+    """A CPU Trainer of ``steps`` steps on ``world_size`` devices that prints nothing, logs only to ``logger`` and
+    checkpoints only when a ``ModelCheckpoint`` is among ``callbacks``."""
     return pl.Trainer(
         accelerator="cpu",
         devices=world_size,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
+        logger=logger,
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks or []),
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from models import TinyClassifier, teacher_task
+from models import TinyClassifier, quiet_trainer, teacher_task
 from ranks import run_ranks
 from rich.console import Console
 from test_terngrad import Z_LIMIT
@@ -37,20 +37,6 @@ STEPS = 10
 DENSITY = 0.05
 LAYERS = ("net.0.weight", "net.2.weight")  # 2048 and 256 elements; compressed with min_compress_numel=256
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _trainer(world_size: int, strategy: GradCompStrategy, callbacks: list[pl.Callback], logger: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
 
 
 def _history(strategy: GradCompStrategy) -> list[dict[str, Any]]:
@@ -76,7 +62,7 @@ def _fit_topk_csv(rank: int, world_size: int, root: str) -> dict[str, Any]:
     bounds = BoundCheck(every_n_steps=2, on_violation="raise")
     strategy = GradCompStrategy(compressor="topk", density=DENSITY, min_compress_numel=256, timeout=TIMEOUT)
     logger = CSVLogger(root, name="csv")
-    trainer = _trainer(world_size, strategy, [monitor, histograms, bounds], logger)
+    trainer = quiet_trainer(strategy, world_size, STEPS, [monitor, histograms, bounds], logger)
     trainer.fit(TinyClassifier(), DataLoader(teacher_task(n=512), batch_size=16))
     text = io.StringIO()
     console = Console(file=text, width=200)
@@ -197,7 +183,9 @@ def _fit_terngrad_tensorboard(rank: int, world_size: int, root: str) -> dict[str
     bounds = BoundCheck(every_n_steps=3)
     strategy = GradCompStrategy(compressor=TernGradCompressor(), memory="none", min_compress_numel=256, timeout=TIMEOUT)
     logger = TensorBoardLogger(root, name="tb")
-    trainer = _trainer(world_size, strategy, [CompressionMonitor(every_n_steps=5), histograms, bounds], logger)
+    trainer = quiet_trainer(
+        strategy, world_size, STEPS, [CompressionMonitor(every_n_steps=5), histograms, bounds], logger
+    )
     trainer.fit(TinyClassifier(), DataLoader(teacher_task(n=512), batch_size=16))
     return {"log_dir": logger.log_dir, "written": histograms.written, "checked": sorted(bounds.last_check)}
 
@@ -242,7 +230,7 @@ def _fit_broken(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # asks for another layer at the same step, first: both requests must reach the hook
     histograms = GradientHistogram(layers=["net.2.weight"], every_n_steps=3)
     strategy = GradCompStrategy(compressor=SmallestK(0.05), min_compress_numel=256, timeout=TIMEOUT)
-    trainer = _trainer(world_size, strategy, [histograms, bounds], CSVLogger(root, name="broken"))
+    trainer = quiet_trainer(strategy, world_size, STEPS, [histograms, bounds], CSVLogger(root, name="broken"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyClassifier(), DataLoader(teacher_task(n=512), batch_size=16))

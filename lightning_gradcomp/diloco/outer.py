@@ -22,9 +22,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gradcomp.comm import Collectives, CommCounter
-from lightning_gradcomp.validation import check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_int, check_number
 
-__all__ = ["OuterSync"]
+__all__ = ["OuterSync", "check_outer_arguments"]
+
+
+def check_outer_arguments(sync_every: int, outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
+    """``ValueError`` naming the first of DiLoCo's outer arguments out of range (where they enter: ``OuterSync``
+    and the strategy)."""
+    check_int("sync_every", sync_every, 1)
+    check_number("outer_lr", outer_lr, 0, float("inf"), open_min=True, open_max=True)
+    check_number("outer_momentum", outer_momentum, 0, 1, open_max=True)
+    check_bool("nesterov", nesterov)
+    if nesterov and not outer_momentum:
+        raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain outer SGD")
 
 
 class OuterSync:
@@ -52,11 +63,8 @@ class OuterSync:
         nesterov: bool = True,
         group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
-        self.sync_every = check_int("sync_every", sync_every, 1)
-        check_number("outer_lr", outer_lr, 0, float("inf"), open_min=True, open_max=True)
-        check_number("outer_momentum", outer_momentum, 0, 1, open_max=True)
-        if nesterov and not outer_momentum:
-            raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain outer SGD")
+        check_outer_arguments(sync_every, outer_lr, outer_momentum, nesterov)
+        self.sync_every = sync_every
         self._parameters = [(name, p) for name, p in parameters if p.requires_grad]
         if not self._parameters:
             raise ValueError("parameters holds no trainable parameter: there is nothing to synchronise")

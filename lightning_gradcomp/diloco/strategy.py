@@ -25,8 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_gradcomp.checkpoint import manifest, read_shard, remove_shards, write_shard
-from lightning_gradcomp.diloco.outer import OuterSync
-from lightning_gradcomp.validation import check_bool, check_int, check_number
+from lightning_gradcomp.diloco.outer import OuterSync, check_outer_arguments
 
 __all__ = ["DILOCO_KEY", "GradCompDiLoCoStrategy"]
 
@@ -56,12 +55,9 @@ class GradCompDiLoCoStrategy(DDPStrategy):
         nesterov: bool = True,
         **kwargs: Any,
     ) -> None:
-        self.sync_every = check_int("sync_every", sync_every, 1)
-        self.outer_lr = check_number("outer_lr", outer_lr, 0, float("inf"), open_min=True, open_max=True)
-        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0, 1, open_max=True)
-        self.nesterov = check_bool("nesterov", nesterov)
-        if nesterov and not outer_momentum:
-            raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain outer SGD")
+        check_outer_arguments(sync_every, outer_lr, outer_momentum, nesterov)
+        self.sync_every, self.outer_lr = sync_every, outer_lr
+        self.outer_momentum, self.nesterov = outer_momentum, nesterov
         allowed = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                    "process_group_backend", "timeout", "start_method")  # fmt: skip
         wrapper = sorted(k for k, value in kwargs.items() if k not in allowed and value is not None)
