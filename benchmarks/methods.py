@@ -111,16 +111,17 @@ def strategy_arguments(method: str) -> dict[str, Any]:
 
 
 def check_methods(methods: list[str]) -> None:
-    """Raise ``SystemExit`` naming the methods that are neither PyTorch's, named strategies nor variants."""
+    """Raise ``SystemExit`` naming the methods that are neither PyTorch's, named strategies, variants nor DiLoCo's."""
     unknown = []
     for method in methods:
-        if method not in TORCH_METHODS:
+        if method not in TORCH_METHODS and not is_local_sgd(method):
             try:
                 strategy_arguments(method)
             except KeyError:
                 unknown.append(method)
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}; choose from {[*TORCH_METHODS, *OURS, *VARIANTS]}")
+        known = [*TORCH_METHODS, *OURS, *VARIANTS, *LOCAL_SGD, *LOCAL_SGD_VARIANTS]
+        raise SystemExit(f"unknown methods {unknown}; choose from {known}")
 
 
 def completed(hook):
@@ -188,3 +189,117 @@ def attach(
     hook = GradCompStrategy(**{**strategy_arguments(method), **(overrides or {})}, seed=seed).build_hook(model)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     return hook
+
+
+# ---------------------------------------------------------------- local SGD: DiLoCo, ours and torchft's
+
+#: DiLoCo's named strategies, and torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, dense fp32 outer gradients: its
+#: ``should_quantize`` needs Triton, GPU only) with the paper's outer SGD (lr 0.7, Nesterov momentum 0.9).
+LOCAL_SGD = ("ddp_diloco", "ddp_diloco_topk", "ddp_diloco_qsgd", "torchft_diloco")
+
+
+#: ``name -> (DiLoCo method, (outer lr, outer Nesterov momentum))``: the paper's outer SGD (0.7, 0.9) set for H = 500
+#: and AdamW; with H = 10 and an SGD-momentum inner optimizer a lower outer momentum
+LOCAL_SGD_VARIANTS: dict[str, tuple[str, tuple[float, float]]] = {
+    f"{method}:momentum-0.5": (method, (0.7, 0.5)) for method in ("ddp_diloco", "ddp_diloco_qsgd", "torchft_diloco")
+}
+
+
+def is_local_sgd(method: str) -> bool:
+    """Whether ``method`` trains without DDP and synchronises every H steps (DiLoCo)."""
+    return method in LOCAL_SGD or method in LOCAL_SGD_VARIANTS
+
+
+class LocalSGD:
+    """A DiLoCo method around one rank's ``model`` and inner ``optimizer``: call :meth:`step` after each inner step,
+    :meth:`close` at the end. ``history`` holds our outer loop's ``StepStats`` (torchft's DiLoCo counts nothing)."""
+
+    def __init__(self, method: str, model, optimizer, sync_every: int, seed: int = 0) -> None:
+        self.method, self.history, self._close = method, [], lambda: None
+        method, (outer_lr, outer_momentum) = LOCAL_SGD_VARIANTS.get(method, (method, (0.7, 0.9)))
+        if method == "torchft_diloco":
+            self.sync = None
+            self._close = _torchft_diloco(model, optimizer, sync_every, outer_lr, outer_momentum)
+            return
+        from lightning_gradcomp.diloco import DILOCO_PRESETS, OuterSync
+
+        arguments = dict(DILOCO_PRESETS[method][1])
+        if "compressor" in arguments:
+            arguments["seed"] = seed
+        if "outer_lr" not in arguments:
+            arguments.update(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=outer_momentum > 0)
+        self.sync = OuterSync(model.named_parameters(), sync_every=sync_every, **arguments)
+        self.history = self.sync.history
+
+    def step(self) -> None:
+        """After an inner step: count it (every ``sync_every``-th synchronises; torchft's hooks do so themselves)."""
+        if self.sync is not None:
+            self.sync.step()
+
+    def close(self) -> None:
+        self._close()
+
+
+def _torchft_diloco(model, optimizer, sync_every: int, outer_lr: float, outer_momentum: float):
+    """torchft's DiLoCo for this rank, one replica group of one process: a lighthouse on rank 0 (bound to its
+    address, ``HOST_ADDR`` or 127.0.0.1), a ``Manager`` with its own ``TCPStore`` and ``ProcessGroupGloo``, the
+    servers bound to this rank's address only. Returns what closes it all (whatever of it was built is closed if
+    building fails part way)."""
+    import contextlib
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torchft.manager
+    from torchft._torchft import LighthouseServer
+    from torchft.local_sgd import DiLoCo
+    from torchft.process_group import ProcessGroupGloo
+
+    host = os.environ.get("HOST_ADDR", "127.0.0.1")
+    server = torchft.manager.ManagerServer
+    undo = contextlib.ExitStack()
+    try:
+        address: list[str | None] = [None]
+        if dist.get_rank() == 0:
+            try:
+                lighthouse = LighthouseServer(bind=f"{host}:0", min_replicas=dist.get_world_size())
+                undo.callback(lighthouse.shutdown)
+                address = [f"http://{host}:{lighthouse.address().rsplit(':', 1)[1]}"]
+            finally:
+                dist.broadcast_object_list(address, src=0)  # None tells the other ranks it failed
+        else:
+            dist.broadcast_object_list(address, src=0)
+        if address[0] is None:
+            raise RuntimeError("torchft's lighthouse did not start on rank 0")
+
+        def on_host(*args, bind: str, **kwargs):  # torchft binds every interface ("[::]:port") by default
+            return server(*args, bind=f"{host}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+        torchft.manager.ManagerServer = on_host
+        undo.callback(setattr, torchft.manager, "ManagerServer", server)
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        undo.callback(lambda store=store: None)  # the store lives as long as the manager that serves its address
+        timeout = timedelta(seconds=300)
+        group = ProcessGroupGloo(timeout=timeout)
+        undo.callback(group.shutdown)
+        manager = torchft.manager.Manager(
+            pg=group, load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+            min_replica_size=dist.get_world_size(), use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
+            connect_timeout=timeout, rank=0, world_size=1, store_addr=host, store_port=store.port,
+            lighthouse_addr=address[0], replica_id=str(dist.get_rank()), hostname=host, init_sync=False,
+        )  # fmt: skip
+        undo.callback(manager.shutdown, wait=False)
+        outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+        diloco = DiLoCo(manager, [model], optimizer, outer, sync_every=sync_every)
+        diloco.__enter__()
+        undo.callback(diloco.__exit__, None, None, None)
+    except BaseException:
+        undo.close()
+        raise
+
+    def close() -> None:
+        dist.barrier()  # every replica past its last synchronisation before anything goes
+        undo.close()  # in reverse: the hooks, the manager, the process group, the store, the patch, the lighthouse
+
+    return close

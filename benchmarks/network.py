@@ -49,7 +49,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from methods import AFTER_WARMUPS, DEFAULT_METHODS, attach, check_methods
+from methods import AFTER_WARMUPS, DEFAULT_METHODS, LocalSGD, attach, check_methods, is_local_sgd
 from workloads import MODELS, build_model, loss, random_batch
 
 SUBNET = "10.213.0"
@@ -108,6 +108,9 @@ def worker(args: argparse.Namespace) -> None:
     for method in args.methods.split(","):
         torch.manual_seed(0)
         model = build_model(args.model, args.width)
+        if is_local_sgd(method):
+            results.append(_local_sgd_steps(method, model, batches, args, rank, world))
+            continue
         ddp = DistributedDataParallel(model)
         try:
             hook = attach(method, ddp, model, overrides=AFTER_WARMUPS if args.after_warmups else None)
@@ -172,6 +175,48 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps([asdict(r) for r in results]))
     dist.destroy_process_group()
+
+
+def _local_sgd_steps(method: str, model, batches, args: argparse.Namespace, rank: int, world: int) -> Result:
+    """A DiLoCo method's steady inner step, synchronisations included: ``--sync-every`` untimed steps (the first
+    synchronisation: torchft's first quorum configures its process group), then whole rounds of ``H`` steps timed,
+    at least ``--steps`` of them."""
+    import torch
+    import torch.distributed as dist
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    local = LocalSGD(method, model, optimizer, args.sync_every)
+    h = args.sync_every
+    timed_steps = h * math.ceil(args.steps / h)
+
+    def run(first: int, count: int) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for step in range(first, first + count):
+            x, y = batches[step % len(batches)]
+            optimizer.zero_grad()
+            loss(args.model, model(x), y).backward()
+            optimizer.step()
+            local.step()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    try:
+        run(0, h)
+        tx_before = _link_tx_bytes()
+        elapsed = run(h, timed_steps)
+        tx = torch.tensor([float(_link_tx_bytes() - tx_before) if int(os.environ["LOCAL_RANK"]) == 0 else 0.0])
+        dist.all_reduce(tx)
+    finally:
+        local.close()
+    if rank == 0:
+        print(f"{method}: {elapsed / timed_steps:.3f} s/step (H={h})", file=sys.stderr, flush=True)
+    timed = list(local.history)[-timed_steps:]
+    mean = (lambda key: sum(getattr(s, key) for s in timed) / len(timed)) if timed else (lambda key: None)
+    return Result(method, images_per_s=world * args.batch * timed_steps / elapsed,
+                  seconds_per_step=elapsed / timed_steps, bytes_sent_per_step=mean("bytes_sent"),
+                  dense_bytes_per_step=mean("dense_bytes"), bytes_received_per_step=mean("bytes_received"),
+                  link_bytes_per_step=float(tx) / timed_steps, note=f"DiLoCo, H={h}")  # fmt: skip
 
 
 def single_process_throughput(args: argparse.Namespace) -> float:
@@ -245,6 +290,7 @@ class Network:
             env = dict(os.environ, MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(PORT), RANK=str(rank),
                        WORLD_SIZE=str(world), GROUP_RANK=str(node), LOCAL_RANK=str(local),
                        LOCAL_WORLD_SIZE=str(self.ranks_per_node), GLOO_SOCKET_IFNAME="eth0",
+                       HOST_ADDR=f"{SUBNET}.{node + 1}",
                        OMP_NUM_THREADS="1")  # fmt: skip
             cmd = ["ip", "netns", "exec", self.rank_ns[node], sys.executable, *argv]
             procs.append(subprocess.Popen(cmd, env=env))
@@ -293,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
+    parser.add_argument(
+        "--sync-every", type=int, default=10, help="DiLoCo's H (its methods): steps per synchronisation"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method (buckets, PowerSGD start)")
     parser.add_argument("--batch", type=int, default=32, help="images per rank per step")
     parser.add_argument("--model", default="mlp", choices=list(MODELS), help="what to train (see workloads.py)")
@@ -326,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     single = single_process_throughput(args)
     report: dict[str, Any] = {"ranks": args.ranks, "nodes": args.nodes, "batch": args.batch, "model": args.model,
-                              "width": args.width, "single_process_images_per_s": single, "rates": {}}  # fmt: skip
+                              "width": args.width, "single_process_images_per_s": single, "sync_every": args.sync_every,
+                              "rates": {}}  # fmt: skip
     rates = args.rate or ["100mbit", "1gbit"]
     for rate in rates:
         network = Network(args.nodes, rate, args.ranks_per_node) if args.nodes else Network(args.ranks, rate)
@@ -336,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 out = str(Path(tmp) / "results.json")
                 argv = [__file__, "--worker", "--out", out, "--methods", args.methods, "--steps", str(args.steps),
                         "--warmup", str(args.warmup), "--batch", str(args.batch), "--width", str(args.width),
-                        "--model", args.model, *(["--after-warmups"] if args.after_warmups else [])]  # fmt: skip
+                        "--model", args.model, "--sync-every", str(args.sync_every),
+                        *(["--after-warmups"] if args.after_warmups else [])]  # fmt: skip
                 network.launch(argv, args.timeout)
                 report["rates"][rate] = json.loads(Path(out).read_text())
         finally:

@@ -29,6 +29,10 @@ A step costs its computation plus its exchange, in the alpha-beta (Hockney) mode
   links (300 GB/s, 5 us), nodes on 10, 25 or 100 Gbit/s at 95.6% of the line rate (1448 payload bytes
   per 1514-byte Ethernet frame), 10 us.
 
+**DiLoCo** (``ddp_diloco*``, ``--sync-every H``) exchanges a pseudo-gradient once every ``H`` inner steps: its
+exchange (link, loopback, and the synchronisation's own computation: compressing, decoding, the outer step, timed
+in a world of one by ``measure-diloco``) is divided by ``H``; its inner steps cost the forward/backward alone.
+
 The model counts no overlap of the exchange with the backward pass, no congestion beyond a node's link,
 and rings only (NCCL switches to trees at scale, which shortens dense allreduce's ``2 (P - 1)`` latency
 terms); ``validate`` shows how far it is from this machine's measured steps.
@@ -38,6 +42,7 @@ terms); ``validate`` shows how far it is from this machine's measured steps.
     python benchmarks/scale_model.py validate --profile benchmarks/results/scale_profile.json \\
         --links benchmarks/results/scale_links.json \\
         --measured benchmarks/results/network_nodes.json benchmarks/results/network_mnist_mlp.json
+    python benchmarks/scale_model.py measure-diloco --profile benchmarks/results/scale_profile.json
     python benchmarks/scale_model.py predict --profile benchmarks/results/scale_profile.json \\
         --plot benchmarks/results/scale_model.png --json benchmarks/results/scale_model.json
 """
@@ -64,6 +69,8 @@ from workloads import build_model
 #: the methods the model predicts, as ``network.py`` names them; ``:node`` is ``hierarchy="node"`` (sharded)
 METHODS = ("dense", "ddp_fp16", "ddp_topk", "ddp_gtopk", "ddp_terngrad")
 HIERARCHICAL = ("ddp_gradcomp_dense:node", "ddp_topk:node", "ddp_gtopk:node", "ddp_terngrad:node")
+#: DiLoCo's presets, predicted at each ``--sync-every`` (``ddp_diloco_topk:H100``)
+DILOCO = ("ddp_diloco", "ddp_diloco_topk", "ddp_diloco_qsgd")
 #: ``(label, model, width)`` of the sizes ``measure`` times: the validation runs' models, then larger MLPs
 SIZES = (("mlp-512", "mlp", 512), ("mnist-mlp", "mnist-mlp", 512), ("mlp-1536", "mlp", 1536), ("mlp-4096", "mlp", 4096))
 ETHERNET_EFFICIENCY = 1448 / 1514
@@ -113,6 +120,8 @@ class Costs:
     #: for ``aggregator="auto"``: ``{ranks: (aggregator, bytes per element)}``, what the compressor picks for
     #: each power-of-two number of peers (TernGrad: allgather of 2-bit codes up to 8, int8 allreduce beyond)
     auto: dict[int, tuple[str, float]] | None = None
+    #: inner steps per exchange (DiLoCo's ``H``; 1: every step exchanges), over which the exchange is spread
+    sync_every: int = 1
 
     def path(self, peers: int) -> tuple[str, float]:
         """The aggregator among ``peers`` ranks and the bytes per compressed element it moves."""
@@ -173,7 +182,9 @@ def predict_step(costs: Costs, cluster: Cluster, hierarchical: bool) -> Predicti
         decode_s = (crossing_rounds + inside_rounds) * costs.merge_s * shard
     else:
         raise ValueError(f"aggregator={aggregator!r}: the model knows allreduce, allgather and gtopk")
-    compute_s = cluster.share * (costs.forward_backward_s + codec_s + decode_s)
+    h = costs.sync_every  # one exchange (and its computation) every h inner steps
+    compute_s = cluster.share * (costs.forward_backward_s + (codec_s + decode_s) / h)
+    intra_s, link_s = intra_s / h, link_s / h
     return Prediction(compute_s, intra_s, link_s) if n > 1 else Prediction(compute_s, intra_s + link_s, 0.0)
 
 
@@ -210,7 +221,8 @@ def _auto(method: dict[str, Any]) -> dict[int, tuple[str, float]] | None:
 
 
 def profiled_method(method: str) -> tuple[str, bool]:
-    """The measured method a ``network.py`` method name stands for, and whether it is ``hierarchy="node"``."""
+    """The measured method a ``network.py`` method name stands for, and whether it is ``hierarchy="node"``
+    (``ddp_diloco_topk:H100``: the DiLoCo preset, synchronising every 100 steps)."""
     base, _, scheme = method.partition(":")
     return base, scheme == "node"
 
@@ -341,6 +353,71 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             dist.destroy_process_group()
     return {"batch": args.batch, "torch": torch.__version__, "threads": 1, "sizes": sizes}
+
+
+def measure_diloco_size(model_name: str, width: int, repeats: int) -> dict[str, Any]:
+    """Each DiLoCo preset's synchronisation in a world of one (the exchange's compression, the aggregator's own
+    decoding, the outer step) and its payload's bytes per element; the decoding of each further rank's payload
+    timed on its own."""
+    import torch
+
+    from lightning_gradcomp.diloco import DILOCO_PRESETS, OuterSync
+
+    out = {}
+    for preset in DILOCO:
+        arguments = dict(DILOCO_PRESETS[preset][1])
+        outer = {k: arguments.pop(k) for k in ("outer_lr", "outer_momentum", "nesterov") if k in arguments}
+        torch.manual_seed(0)
+        model = build_model(model_name, width)
+        sync = OuterSync(model.named_parameters(), sync_every=1, **outer, **arguments)
+        seconds = []
+        for _ in range(repeats + 1):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p), alpha=1e-3)  # an inner step's worth of change
+            start = time.perf_counter()
+            sync.step()
+            seconds.append(time.perf_counter() - start)
+        stats = sync.last_step
+        numel = stats.numel
+        decode_s = 0.0
+        if sync.exchange is not None:
+            codec = sync.exchange.compressor
+            x = torch.randn(numel)
+            payload, total = codec.compress(x), torch.zeros(numel)
+            decode_s = _median_seconds(lambda c=codec, p=payload, t=total: c.accumulate(p, t))
+        out[preset] = {
+            "aggregator": "allreduce" if sync.exchange is None else "allgather",
+            "codec_s": statistics.median(seconds[1:]),
+            "decode_s": decode_s,
+            "merge_s": 0.0,
+            "payload_bytes_per_element": 4.0 if sync.exchange is None else stats.payload_bytes / numel,
+            "compressed_fraction": 1.0,
+            "units": sum(1 for p in model.parameters() if p.requires_grad),
+            "sync": True,
+        }
+        bits = 8 * out[preset]["payload_bytes_per_element"]
+        print(f"{model_name} {width}: {preset} {out[preset]['codec_s'] * 1e3:.1f} ms/synchronisation, "
+              f"{bits:.3f} bits/element", file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
+def measure_diloco(args: argparse.Namespace) -> dict[str, Any]:
+    """Add the DiLoCo presets to ``--profile`` (measured by ``measure``) at each of its sizes."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    profile = json.loads(Path(args.profile).read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+                                timeout=timedelta(seconds=300))  # fmt: skip
+        try:
+            for label, model, width in SIZES:
+                profile["sizes"][label]["methods"].update(measure_diloco_size(model, width, args.repeats))
+        finally:
+            dist.destroy_process_group()
+    return profile
 
 
 # --- calibrate: the links of this machine -------------------------------------------------------------------------
@@ -483,14 +560,24 @@ def cluster_predictions(args: argparse.Namespace) -> list[dict[str, Any]]:
             while ranks <= args.max_ranks:
                 cluster = Cluster(ranks // args.gpus_per_node, args.gpus_per_node, inter, intra)
                 dense = predict_step(costs_at(profile, "dense", params, args.compute_scale), cluster, False).total_s
-                for method in (*METHODS, *HIERARCHICAL):
+                diloco = [f"{p}:H{h}" for p in DILOCO if p in _methods(profile) for h in args.sync_every]
+                for method in (*METHODS, *HIERARCHICAL, *diloco):
                     base, hierarchical = profiled_method(method)
-                    step = predict_step(costs_at(profile, base, params, args.compute_scale), cluster, hierarchical)
+                    costs = costs_at(profile, base, params, args.compute_scale)
+                    if base in DILOCO:
+                        costs = replace(costs, sync_every=int(method.rpartition(":H")[2]))
+                    step = predict_step(costs, cluster, hierarchical)
                     rows.append({"params": params, "rate": rate, "ranks": ranks, "method": method,
                                  "seconds_per_step": step.total_s, "speedup_vs_dense": dense / step.total_s,
+                                 "seconds_per_sample": step.total_s / (profile["batch"] * ranks),
                                  **asdict(step)})  # fmt: skip
                 ranks *= 2
     return rows
+
+
+def _methods(profile: dict[str, Any]) -> set[str]:
+    """The methods every measured size of ``profile`` holds."""
+    return set.intersection(*(set(size["methods"]) for size in profile["sizes"].values()))
 
 
 def crossovers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -547,7 +634,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str, per_node: int) -> No
             for n, method in enumerate(methods):
                 series = sorted((r for r in rows if (r["params"], r["rate"], r["method"]) == (size, rate, method)),
                                 key=lambda r: r["ranks"])  # fmt: skip
-                style = "--" if method.endswith(":node") else "-"
+                style = "--" if method.endswith(":node") else ":" if ":H" in method else "-"
                 ax.plot([r["ranks"] for r in series], [r["speedup_vs_dense"] for r in series], label=method,
                         color=f"C{n % 10}", linestyle=style, marker=".")  # fmt: skip
             ax.axhline(1.0, color="black", linewidth=0.8)
@@ -570,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--rounds", type=int, default=3, help="turns the methods take, interleaved")
     m.add_argument("--batch", type=int, default=32)
     m.add_argument("--json", required=True)
+    d = sub.add_parser("measure-diloco", help="time each DiLoCo preset's synchronisation; added to --profile")
+    d.add_argument("--profile", required=True, help="measure's JSON, rewritten with the DiLoCo presets added")
+    d.add_argument("--repeats", type=int, default=5)
     c = sub.add_parser("calibrate", help="alpha and beta of the shaped links and the loopback (root, iproute2)")
     c.add_argument("--rate", action="append", help="tc rate, repeatable (default: 100mbit, 1gbit)")
     c.add_argument("--nodes", type=int, default=2, help="namespaces, 2 or more")
@@ -586,7 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("predict", help="speed-up over dense at 8 to 1024 ranks; plot and crossovers")
     p.add_argument("--profile", required=True)
     p.add_argument("--params", type=float, nargs="+", default=[25e6, 1e9])
-    p.add_argument("--rates", nargs="+", default=["10gbit", "25gbit", "100gbit"])
+    p.add_argument("--rates", nargs="+", default=["10mbit", "100mbit", "1gbit", "10gbit", "100gbit"])
+    p.add_argument("--sync-every", type=int, nargs="+", default=[10, 100],
+                   help="DiLoCo's H: inner steps per synchronisation (presets timed by measure-diloco)")  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--max-ranks", type=int, default=1024)
     p.add_argument("--intra-gbytes-per-s", type=float, default=300.0, help="NVLink-class link inside a node")
@@ -602,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "measure":
         report: Any = measure(args)
+    elif args.command == "measure-diloco":
+        report = measure_diloco(args)
+        args.json = args.profile
     elif args.command == "calibrate":
         if os.geteuid() != 0:
             print("calibrate needs root and iproute2 to build shaped network namespaces; exiting.")

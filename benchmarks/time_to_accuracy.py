@@ -42,7 +42,16 @@ from pathlib import Path
 from typing import Any
 
 import workloads
-from methods import DEFAULT_METHODS, VARIANTS, attach, check_methods, powersgd_start
+from methods import (
+    DEFAULT_METHODS,
+    LOCAL_SGD_VARIANTS,
+    VARIANTS,
+    LocalSGD,
+    attach,
+    check_methods,
+    is_local_sgd,
+    powersgd_start,
+)
 from paired import paired_difference, verdict
 from workloads import CONTEXT, MODELS, build_model, markov_corpus
 
@@ -129,6 +138,8 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     (train_x, train_y), val = data
     torch.manual_seed(seed)
     model = build_model(args.model)
+    if is_local_sgd(method):
+        return _train_local_sgd(method, seed, args, data, rank, world, model)
     ddp = DistributedDataParallel(model)
     hook = attach(method, ddp, model, seed=seed, steps=args.steps)
     if args.model == "lm":  # a Transformer: AdamW, as such models are trained
@@ -158,6 +169,43 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     }
 
 
+def _train_local_sgd(method: str, seed: int, args: argparse.Namespace, data, rank: int, world: int, model) -> dict:
+    """DiLoCo (``methods.LOCAL_SGD``): each rank takes its own share of the step's global batch with the same inner
+    optimizer as DDP (SGD with momentum, the same learning rate and warm-up), synchronising every ``--sync-every``
+    steps; evaluated right after a synchronisation (``--eval-every`` a multiple of it), where every rank holds the
+    synchronised weights."""
+    import torch
+
+    (train_x, train_y), val = data
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    warmup = max(args.lr_warmup, 0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0)
+    local = LocalSGD(method, model, optimizer, args.sync_every, seed)
+    curve, start = [], time.perf_counter()
+    try:
+        for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
+            mine = indices[rank * args.batch : (rank + 1) * args.batch]
+            optimizer.zero_grad()
+            workloads.loss(args.model, model(train_x[mine]), train_y[mine]).backward()
+            optimizer.step()
+            local.step()
+            schedule.step()
+            if step % args.eval_every == 0 or step == args.steps:
+                curve.append((step, _validate(model, args.model, val, rank, world)))
+    finally:
+        local.close()
+    history = list(local.history)
+    return {
+        "curve": curve,
+        "phases": None,
+        "final": curve[-1][1],
+        "seconds": time.perf_counter() - start,
+        "sync_every": args.sync_every,
+        "bytes_sent_per_step": statistics.mean(s.bytes_sent for s in history) if history else None,
+        "dense_bytes_per_step": statistics.mean(s.dense_bytes for s in history) if history else None,
+    }
+
+
 def phases(history) -> list[list]:
     """The run's steps as consecutive phases ``[regime, compressed, planned density, steps, mean bytes sent]``
     (``StepStats``' fields): which steps ran at which level, for the time model and the decisions' plot."""
@@ -184,7 +232,8 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
     failure = None
     try:
         data = _text(args.holdout) if args.model == "lm" else _mnist(args.data_dir, args.holdout)
-        settings = ("model", "ranks", "batch", "lr", "lr_warmup", "momentum", "steps", "eval_every", "seeds")
+        settings = ("model", "ranks", "batch", "lr", "lr_warmup", "momentum", "steps", "eval_every", "seeds",
+                    "sync_every")  # fmt: skip
         report: dict[str, Any] = {key: getattr(args, key) for key in settings}
         report["metric"] = "loss" if args.model == "lm" else "accuracy"
         report["holdout"], report["runs"] = args.holdout, {}
@@ -250,6 +299,9 @@ def measurements(network: dict, rate: str, steps: int) -> dict[str, dict]:
     """``method -> network.py's row`` on ``rate``, for the methods it timed; ``powersgd:start-10pct`` (the same
     steady state as ``powersgd``, dense for its first 10% of ``steps``) from the rows of both."""
     rows = {r["method"]: r for r in network["rates"][rate] if r["seconds_per_step"]}
+    for variant, (base, _) in LOCAL_SGD_VARIANTS.items():  # another outer step costs the same time
+        if base in rows and variant not in rows:
+            rows[variant] = {**rows[base], "method": variant}
     if "powersgd" in rows and "dense" in rows:
         start = powersgd_start("powersgd:start-10pct", steps)
         rows["powersgd:start-10pct"] = {**rows["powersgd"], "method": "powersgd:start-10pct", "dense_steps": start,
@@ -488,7 +540,8 @@ def _write(args: argparse.Namespace, out: dict) -> None:
 
 def plot(curves: dict, network: dict, targets: list[float], path: str, loopback: bool) -> None:
     """Validation accuracy (mean over seeds) against wall-clock seconds on each link, one curve per method
-    (PyTorch's hooks and the named strategies; the variants, ``preset:what``, are in the tables only)."""
+    (PyTorch's hooks, the named strategies and DiLoCo's outer-momentum variants; the DDP presets' variants,
+    ``preset:what``, are in the tables only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -496,7 +549,7 @@ def plot(curves: dict, network: dict, targets: list[float], path: str, loopback:
 
     rates = [r for r in network["rates"] if r != "none" or loopback]
     fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 6), squeeze=False)
-    methods = [m for m in curves["runs"] if ":" not in m]
+    methods = [m for m in curves["runs"] if ":" not in m or m in LOCAL_SGD_VARIANTS]
     colors = dict(zip(methods, plt.get_cmap("tab20").colors, strict=False))
     for ax, rate in zip(axes[0], rates, strict=True):
         measured = measurements(network, rate, curves["steps"])
@@ -544,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--batch", type=int, default=32, help="images per rank per step (network.py's default)")
     t.add_argument("--steps", type=int, default=600, help="optimizer steps (600: the tables' setting)")
     t.add_argument("--eval-every", type=int, default=20)
+    t.add_argument("--sync-every", type=int, default=10,
+                   help="DiLoCo's H: inner steps per synchronisation (--eval-every a multiple of it)")  # fmt: skip
     t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--momentum", type=float, default=0.9)
     t.add_argument("--lr-warmup", type=int, default=0, help="steps of linear learning-rate warm-up from 0")
@@ -570,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--ranks must be >= 2, --steps and --eval-every >= 1, --seeds distinct")
         if args.model not in MODELS:
             parser.error(f"--model must be one of {list(MODELS)}")
+        if args.sync_every < 1 or args.eval_every % args.sync_every or args.steps % args.sync_every:
+            parser.error(
+                "--sync-every must be >= 1 and divide --eval-every and --steps (DiLoCo is evaluated after a sync)"
+            )
         return train(args)
     if args.final_window < 0:
         parser.error(f"--final-window must be >= 0 steps, got {args.final_window}")

@@ -37,7 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
 from lightning_gradcomp.examples.models import AlexNet, ResNet20
-from lightning_gradcomp.hook import StepStats, gradcomp_comm_hook
+from lightning_gradcomp.hook import gradcomp_comm_hook
+from lightning_gradcomp.stats import StepStats
 
 MODELS = {"resnet20": ResNet20, "alexnet": AlexNet}
 #: ATOMO's exact SVD of AlexNet's 4096 x 4096 layer takes tens of seconds per rank on a CPU.

@@ -24,13 +24,15 @@ from lightning_gradcomp.compressors import (
     ScaledSignCompressor,
     TernGradCompressor,
     TopKCompressor,
+    TwoBitValues,
     WirePrecision,
 )
-from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
+from lightning_gradcomp.diloco import DILOCO_PRESETS, GradCompDiLoCoFabricStrategy, GradCompDiLoCoStrategy, OuterSync
 from lightning_gradcomp.fabric import GradCompFabricStrategy
-from lightning_gradcomp.hook import GradCompHook, StepStats, gradcomp_comm_hook
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
 from lightning_gradcomp.presets import NAMED_STRATEGIES
+from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.torch_ddp import make_hook
 
@@ -39,10 +41,12 @@ __version__ = "0.1.0.dev0"
 GradCompStrategy.register_strategies(StrategyRegistry)
 GradCompDiLoCoStrategy.register_strategies(StrategyRegistry)
 GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+GradCompDiLoCoFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "AGGREGATORS",
     "COMPRESSORS",
+    "DILOCO_PRESETS",
     "MEMORIES",
     "NAMED_STRATEGIES",
     "AllgatherAggregator",
@@ -57,6 +61,7 @@ __all__ = [
     "ErrorFeedback",
     "GTopKAggregator",
     "GaussianKCompressor",
+    "GradCompDiLoCoFabricStrategy",
     "GradCompDiLoCoStrategy",
     "GradCompFabricStrategy",
     "GradCompHook",
@@ -73,6 +78,7 @@ __all__ = [
     "StepStats",
     "TernGradCompressor",
     "TopKCompressor",
+    "TwoBitValues",
     "WirePrecision",
     "__version__",
     "gradcomp_comm_hook",

@@ -6,6 +6,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.compressors import COMPRESSORS
+from lightning_gradcomp.diloco import GradCompDiLoCoStrategy
 from lightning_gradcomp.memory import MEMORIES
 from lightning_gradcomp.presets import DDP_VARIANTS
 from lightning_gradcomp.strategy import GradCompStrategy
@@ -19,11 +20,13 @@ def _first_line(obj: object) -> str:
 
 
 def gradcomp_strategies() -> dict[str, str]:
-    """Names and descriptions of the registered strategies built on :class:`GradCompStrategy`."""
+    """Names and descriptions of the registered strategies built on :class:`GradCompStrategy` and
+    :class:`~lightning_gradcomp.diloco.GradCompDiLoCoStrategy`."""
     out = {}
     for name in sorted(StrategyRegistry.available_strategies()):
         entry = StrategyRegistry[name]
-        if isinstance(entry["strategy"], type) and issubclass(entry["strategy"], GradCompStrategy):
+        ours = (GradCompStrategy, GradCompDiLoCoStrategy)
+        if isinstance(entry["strategy"], type) and issubclass(entry["strategy"], ours):
             out[name] = entry.get("description", "")
     return out
 

@@ -140,7 +140,7 @@ class NoMemory(Memory):
 
 
 class ErrorFeedback(Memory):
-    """Error feedback (``memory="ef"``): ``acc = grad + residual``; ``residual = acc - sent``.
+    """Error feedback (``memory="ef"``): ``acc = grad + decay * residual``; ``residual = acc - sent``.
 
     What a biased compressor drops is added to the next step's gradient instead of being lost
     (Shi et al., ICDCS 2019, Algorithm 1). For a sparsifier ``sent`` equals
@@ -154,12 +154,22 @@ class ErrorFeedback(Memory):
             where entries were sent (momentum factor masking), so the sparse updates add up to
             what momentum SGD would apply. The momentum is then applied here, before
             sparsification: the optimizer must be plain SGD without momentum.
+        decay: ``beta`` of SparseLoCo's error feedback (Sarfi et al., 2025, arXiv 2508.15706, Algorithm 1): the
+            residual is scaled by it before the new tensor is added, ``acc = grad + beta * residual``, so what
+            was never sent fades instead of waiting forever (their outer steps replace momentum by this buffer).
+            ``1`` (the default) is plain error feedback; in (0, 1], and 1 under momentum correction.
     """
 
     name = "ef"
 
-    def __init__(self, momentum: float = 0.0) -> None:
+    def __init__(self, momentum: float = 0.0, decay: float = 1.0) -> None:
         self.momentum = check_number("memory 'ef': momentum", momentum, 0, 1, open_max=True)
+        self.decay = check_number("memory 'ef': decay", decay, 0, 1, open_min=True)
+        if self.momentum and self.decay != 1:
+            raise ValueError(
+                f"memory 'ef': decay={decay} with momentum={momentum}: momentum correction reads its velocity back "
+                "from an undecayed residual; use one or the other"
+            )
         self._residuals: dict[str, Tensor] = {}
         self._velocities: dict[str, Tensor] = {}
 
@@ -181,7 +191,7 @@ class ErrorFeedback(Memory):
                 velocity = self._velocities[name] = torch.zeros_like(x)
             x.add_(velocity, alpha=self.momentum)  # u = momentum * u + grad, kept in x until update
         residual = self._residuals.get(name)
-        return x if residual is None else x.add_(residual)
+        return x if residual is None else x.add_(residual, alpha=self.decay)
 
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         """``residual = compensated - sent`` (``mean`` is not read: the hook settles this before it decodes the mean
@@ -215,7 +225,7 @@ class ErrorFeedback(Memory):
             velocity.zero_()
         residual = self._residuals.get(name)
         if residual is not None:
-            grad.add_(residual)
+            grad.add_(residual, alpha=self.decay)
             residual.zero_()
 
     def local_state(self) -> list[Tensor]:

@@ -25,17 +25,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.adaptive import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, Accordion
 from lightning_gradcomp.checkpoint import FORMAT, ShardError, manifest, read_shard, write_shard
-from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, NodeTopology, node_id_from_environment
-from lightning_gradcomp.compressors import Compressor, IdentityCompressor, WirePrecision, build_compressor
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import MEMORIES, Diana, Memory, NoMemory, build_memory
+from lightning_gradcomp.memory import NoMemory
 from lightning_gradcomp.output_layer import (
     OutputLayerWatch,
     declared_output_layer,
     output_layer_names,
     registered_last,
 )
+from lightning_gradcomp.pipeline import build_pipeline
 from lightning_gradcomp.presets import preset_arguments
 from lightning_gradcomp.schedule import DensityWarmup, WarmupSchedule
 from lightning_gradcomp.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, refuse_sparse_gradients
@@ -104,7 +104,7 @@ class CompressionSettings:
         min_compress_numel: int = 1024,
         seed: int = 0,
         compressor_kwargs: dict[str, Any] | None = None,
-        wire_precision: Literal["fp16", "bf16"] | None = None,
+        wire_precision: Literal["fp16", "bf16", "2bit"] | None = None,
         dense_parameters: Sequence[str] = (),
         keep_last_layer_dense: bool = False,
         hierarchy: Literal["none", "node"] = "none",
@@ -120,45 +120,9 @@ class CompressionSettings:
                 raise ValueError(f"{name} must be a dictionary of keyword arguments or None, got {value!r}")
         if not isinstance(dense_parameters, (list, tuple)) or not all(isinstance(p, str) for p in dense_parameters):
             raise ValueError(f"dense_parameters must be a list of name patterns, got {dense_parameters!r}")
-        compressor_args = dict(compressor_kwargs or {})
-        if density is not None:
-            compressor_args["density"] = density
-        self.compressor = build_compressor(compressor, **compressor_args)
-        if wire_precision is not None:
-            if wire_precision == "fp16" and aggregator == "gtopk":
-                raise ValueError(
-                    "wire_precision='fp16' with aggregator='gtopk': the butterfly's merged sums are rounded to the "
-                    "wire's precision at every round, before any division by the world size, and could overflow "
-                    "float16; use wire_precision='bf16'"
-                )
-            self.compressor = WirePrecision(self.compressor, wire_precision)
-        check_choice("memory", memory, sorted(MEMORIES))
-        memory_args = dict(memory_kwargs or {})
-        if memory == Diana.name:
-            if not self.compressor.unbiased:
-                raise ValueError(
-                    f"memory='diana' needs a compressor that is unbiased for the gradient it is given, "
-                    f"E[C(x)] = x (Mishchenko et al., 2019, Sec. 2), and {self.compressor!r} is not: "
-                    f"{self.compressor.bias_reason}"
-                )
-            if memory_args.get("alpha") is None:
-                if not callable(getattr(self.compressor, "omega", None)):
-                    raise ValueError(
-                        f"memory='diana' without memory_kwargs={{'alpha': ...}} needs a compressor with a variance "
-                        f"bound omega(numel), and {self.compressor!r} has none"
-                    )
-                memory_args["variance_bound"] = self.compressor.omega
-        check_choice("aggregator", aggregator, [*sorted(AGGREGATORS), "auto"])
-        if aggregator == "allreduce" and not self.compressor.summable_across_ranks:
-            raise ValueError(
-                f"aggregator='allreduce' sums compressed codes across ranks, which {self.compressor!r} cannot do "
-                "as configured (TernGrad needs share_scale=True); use aggregator='allgather' or 'auto'"
-            )
-        if aggregator in ("allgather", "gtopk") and not self.compressor.gatherable:
-            raise ValueError(
-                f"aggregator={aggregator!r} gathers each rank's payload bytes, but {self.compressor!r} is summed over "
-                "ranks in rounds (each computed from the last one's sum); use aggregator='allreduce' or 'auto'"
-            )
+        self.compressor, self.memory = build_pipeline(
+            compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, aggregator
+        )
         if granularity == "bucket":
             rank_zero_deprecation(
                 "granularity='bucket' is deprecated: units no longer follow DDP's buckets (which change after "
@@ -195,12 +159,6 @@ class CompressionSettings:
         self.keep_last_layer_dense = keep_last_layer_dense
         self.aggregator_name = aggregator
         self.granularity = granularity
-        self.memory: Memory = build_memory(memory, **memory_args)
-        if getattr(self.memory, "momentum", 0.0) and not hasattr(self.compressor, "density"):
-            raise ValueError(
-                f"memory_kwargs={{'momentum': {self.memory.momentum}}} is DGC's momentum correction for "
-                f"sparsifiers (topk, gaussiank, dgc); {self.compressor!r} does not sparsify"
-            )
         self.schedule = self._build_schedule(check_choice("adaptive", adaptive, ADAPTIVE), adaptive_kwargs or {})
         self.gradcomp_hook: GradCompHook | None = None
 

@@ -91,7 +91,10 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         compressor_kwargs: further arguments for a compressor given by name.
         wire_precision: ``"fp16"`` or ``"bf16"`` to send the compressor's float values (dense tensors,
             sparse values, PowerSGD's factors) in half precision, divided by the world size before any
-            sum (:class:`~lightning_gradcomp.compressors.WirePrecision`); ``None``: the gradient's dtype.
+            sum (:class:`~lightning_gradcomp.compressors.WirePrecision`); ``"2bit"``: a fixed-count sparsifier's
+            values as a sign and one of two magnitudes per block of 256 entries, gathered
+            (:class:`~lightning_gradcomp.compressors.lowbit.TwoBitValues`, SparseLoCo's wire); ``None``: the
+            gradient's dtype.
         dense_parameters: ``fnmatch`` patterns of parameter names averaged densely, uncompressed
             (each must match a parameter of the model, checked at setup).
         keep_last_layer_dense: average the output layer's parameters densely, as the TernGrad authors did: the
@@ -137,7 +140,7 @@ class GradCompStrategy(CompressionSettings, DDPStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         compressor_kwargs: dict[str, Any] | None = None,
-        wire_precision: Literal["fp16", "bf16"] | None = None,
+        wire_precision: Literal["fp16", "bf16", "2bit"] | None = None,
         dense_parameters: Sequence[str] = (),
         keep_last_layer_dense: bool = False,
         hierarchy: Literal["none", "node"] = "none",

@@ -29,6 +29,7 @@ from ranks import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import lightning_gradcomp.comm.collectives as collectives_module
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
 
 H = 5
@@ -300,6 +301,8 @@ class CountCollectives(pl.Callback):
         self._originals = {name: getattr(dist, name) for name in COLLECTIVES}
         for name, original in self._originals.items():
             setattr(dist, name, self._counting(original))
+        self._gather = collectives_module._all_gather_single  # bound at import: patched where it lives
+        collectives_module._all_gather_single = self._counting(self._gather)
 
     def _counting(self, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -311,6 +314,7 @@ class CountCollectives(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
+        collectives_module._all_gather_single = self._gather
         syncs = trainer.strategy.outer_sync.counter.calls - self._calls
         self.at_syncs += syncs
         self.inner += self._counted - syncs

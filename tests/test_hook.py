@@ -13,9 +13,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.compressors import SparseEntries, TopKCompressor
 from lightning_gradcomp.compressors.topk import k_for
-from lightning_gradcomp.hook import GradCompHook, StepStats, bytes_per_compressed_step, gradcomp_comm_hook
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, NoMemory
 from lightning_gradcomp.schedule import DensityWarmup
+from lightning_gradcomp.stats import StepStats, bytes_per_compressed_step
 
 STEPS = 5
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
@@ -17,6 +19,7 @@ from lightning_gradcomp.compressors import (
     PowerSGDCompressor,
     RandomKCompressor,
     TopKCompressor,
+    TwoBitValues,
     WirePrecision,
 )
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
@@ -67,7 +70,7 @@ def test_sparse_values_travel_in_half_indices_stay_integers_and_the_rounding_is_
 
 
 def test_what_it_refuses_by_name() -> None:
-    with pytest.raises(ValueError, match=r"wire_precision must be one of \[None, 'fp16', 'bf16'\], got 'fp8'"):
+    with pytest.raises(ValueError, match=r"wire_precision must be one of \[None, 'fp16', 'bf16', '2bit'\], got 'fp8'"):
         GradCompStrategy(compressor="topk", wire_precision="fp8")
     for compressor in ("terngrad", "atomo", "quantizer", "sign"):
         with pytest.raises(ValueError, match="wire_precision='fp16' sends float values in half precision"):
@@ -163,6 +166,7 @@ def _half_wires(rank: int, world_size: int) -> dict:
         ("gtopk", WirePrecision(TopKCompressor(0.05), "bf16"), "gtopk"),
         ("powersgd", WirePrecision(PowerSGDCompressor(rank=2), "fp16"), "allreduce"),
         ("randomk", WirePrecision(RandomKCompressor(0.1, scaled=False), "fp16"), "allgather"),
+        ("twobit", TwoBitValues(TopKCompressor(0.05)), "allgather"),
     ):
         model, memory = _model(), _Recording()
         hook = GradCompHook(codec, memory, aggregator, list(model.named_parameters()), warmup_steps=1,
@@ -179,7 +183,7 @@ def _half_wires(rank: int, world_size: int) -> dict:
 def test_on_real_ranks_half_wires_keep_error_feedback_exact(world_size: int) -> None:
     results = run_ranks(_half_wires, world_size)
     for r in results:
-        for name in ("topk", "gtopk", "powersgd", "randomk"):
+        for name in ("topk", "gtopk", "powersgd", "randomk", "twobit"):
             for e in r[name]["log"]:
                 old = torch.zeros_like(e["grad"]) if e["old"] is None else e["old"]
                 assert torch.equal(e["acc"], e["grad"] + old)
@@ -193,6 +197,14 @@ def test_on_real_ranks_half_wires_keep_error_feedback_exact(world_size: int) -> 
         # (the biases, 50 floats, are all-reduced densely in float32)
         topk = 3 * 8 + (8 + 360 + 13) + (10 + 460 + 16) * 2
         assert r["topk"]["payload_bytes"][1:] == [topk] * 5
+        # the same entries with 2-bit values: the indices without a count, the codes four to a byte (3, 115, 4) and
+        # two float32 levels per block of 256 entries (1, 2, 1 blocks); every sent value is one of its block's levels
+        twobit = (5 + 3 + 3 + 8) + (360 + 115 + 16) + (13 + 4 + 8)
+        assert r["twobit"]["payload_bytes"][1:] == [twobit] * 5
+        assert r["twobit"]["by_dtype"][1:] == [{"uint8": twobit, "float32": 4 * 50}] * 5
+        for e in r["twobit"]["log"]:
+            magnitudes = e["sent"][e["sent"] != 0].abs()
+            assert 1 <= magnitudes.unique().numel() <= 2 * math.ceil(magnitudes.numel() / 256)
         assert r["topk"]["by_dtype"][1:] == [{"uint8": topk, "float32": 4 * 50}] * 5
         # fp16 P and Q: 3.weight (32 x 288) at rank 2; 0.weight (8 x 27) and 5.weight (10 x 32) at rank 2,
         # all-reduced as float16

@@ -21,6 +21,7 @@ from ranks import run_ranks
 
 from lightning_gradcomp.cli import main, run_cli
 from lightning_gradcomp.compressors import COMPRESSORS
+from lightning_gradcomp.diloco import GradCompDiLoCoStrategy
 from lightning_gradcomp.examples.summary import RunSummary
 from lightning_gradcomp.strategy import GradCompStrategy
 
@@ -62,7 +63,13 @@ def _overrides(recipe: Path, data: dict[str, Path], out: Path) -> list[str]:
     elif data_class == "MNISTDataModule":
         args += [f"--data.init_args.data_dir={data['mnist']}", "--data.init_args.batch_size=8"]
     network = config["model"].get("init_args", {}).get("model", {}).get("class_path", "").rpartition(".")[2]
+    if _is_diloco(config):  # one synchronisation within the recipe's few steps
+        args.append(f"--trainer.strategy.init_args.sync_every={STEPS}")
     return args + MODEL_OVERRIDES.get(network, [])
+
+
+def _is_diloco(config: dict[str, Any]) -> bool:
+    return config["trainer"]["strategy"]["class_path"] == "lightning_gradcomp.GradCompDiLoCoStrategy"
 
 
 def _fit_recipes(rank: int, world_size: int, jobs: list[tuple[str, list[str]]]) -> dict[str, dict[str, Any]]:
@@ -71,12 +78,14 @@ def _fit_recipes(rank: int, world_size: int, jobs: list[tuple[str, list[str]]]) 
     for name, args in jobs:
         try:
             trainer = run_cli(args).trainer
-            hook = getattr(trainer.strategy, "gradcomp_hook", None)
+            hook = getattr(trainer.strategy, "gradcomp_hook", None) or getattr(trainer.strategy, "outer_sync", None)
             summary = next(c for c in trainer.callbacks if isinstance(c, RunSummary)).summary
+            exchange = getattr(hook, "exchange", None)
+            compressor = exchange.compressor if exchange is not None else getattr(trainer.strategy, "compressor", None)
             results[name] = {
                 "ok": True,
                 "strategy": type(trainer.strategy).__name__,
-                "compressor": type(trainer.strategy.compressor).__name__,
+                "compressor": type(compressor).__name__,
                 "global_step": trainer.global_step,
                 "compressed_steps": sum(s.compressed for s in hook.history) if hook else 0,
                 "summary": summary,
@@ -131,7 +140,9 @@ def test_recipes_exist() -> None:
     assert expected | {"quickstart", "lenet_mnist_topk", "lenet_mnist_terngrad"} <= names
 
 
-def _parse_and_build(recipe: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], GradCompStrategy]:
+def _parse_and_build(
+    recipe: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[dict[str, Any], GradCompStrategy | GradCompDiLoCoStrategy]:
     """The recipe's config as ``gradcomp fit --print_config`` checks it against the classes (stopping before anything
     is built), and the strategy built from it."""
     with pytest.raises(SystemExit) as exit_info:
@@ -139,15 +150,20 @@ def _parse_and_build(recipe: Path, capsys: pytest.CaptureFixture[str]) -> tuple[
     printed = capsys.readouterr()
     assert exit_info.value.code in (0, None), printed.err
     config = yaml.safe_load(printed.out)
-    return config, GradCompStrategy(**config["trainer"]["strategy"]["init_args"])
+    cls = GradCompDiLoCoStrategy if _is_diloco(config) else GradCompStrategy
+    return config, cls(**config["trainer"]["strategy"]["init_args"])
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_parses_and_builds_its_strategy(recipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config, strategy = _parse_and_build(recipe, capsys)
-    assert config["trainer"]["strategy"]["class_path"] == "lightning_gradcomp.GradCompStrategy"
     assert config["seed_everything"] == 0
-    assert type(strategy.compressor) is COMPRESSORS[config["trainer"]["strategy"]["init_args"]["compressor"]]
+    init_args = config["trainer"]["strategy"]["init_args"]
+    if isinstance(strategy, GradCompDiLoCoStrategy):
+        assert strategy.exchange_arguments["compressor"] == init_args["compressor"]
+        return
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_gradcomp.GradCompStrategy"
+    assert type(strategy.compressor) is COMPRESSORS[init_args["compressor"]]
 
 
 def test_a_recipe_with_a_misspelt_strategy_argument_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,10 +193,13 @@ def test_the_strategy_refuses_an_argument_that_is_neither_a_setting_nor_ddps() -
 def test_recipe_trains_on_two_ranks(recipe: Path, recipe_runs: dict[str, list[dict[str, Any]]]) -> None:
     result = _on_every_rank(recipe_runs, recipe.stem)
     config = _load(recipe)["trainer"]["strategy"]["init_args"]
-    assert result["strategy"] == "GradCompStrategy"
-    assert result["compressor"] == COMPRESSORS[config["compressor"]].__name__
+    diloco = _is_diloco(_load(recipe))
+    assert result["strategy"] == ("GradCompDiLoCoStrategy" if diloco else "GradCompStrategy")
+    expected = COMPRESSORS[config["compressor"]].__name__
+    assert result["compressor"] == ("TwoBitValues" if config.get("wire_precision") == "2bit" else expected)
     assert result["global_step"] == STEPS
-    assert result["compressed_steps"] == STEPS - config.get("warmup_steps", 1)
+    # DiLoCo: one synchronisation (sync_every=STEPS) compressed; DDP: every step after the dense warm-up
+    assert result["compressed_steps"] == (1 if diloco else STEPS - config.get("warmup_steps", 1))
     summary = result["summary"]
     assert summary["bytes_source"] == "hook" and summary["exchange_steps"] == STEPS
     assert 0.0 <= summary["val_acc"] <= 1.0 and math.isfinite(summary["val_loss"])

@@ -106,3 +106,13 @@ def test_crossovers_give_the_first_run_of_rank_counts_where_a_method_beats_dense
     (found,) = crossovers(rows)
     assert (found["faster_from"], found["faster_until"]) == (16, 32)  # not 16-128: it loses at 64
     assert (found["best_speedup"], found["best_at"]) == (1.5, 32)
+
+
+def test_diloco_spreads_its_exchange_and_the_synchronisations_computation_over_h_inner_steps() -> None:
+    cluster = Cluster(nodes=4, per_node=2, inter=SLOW, intra=FAST, share=2.0)
+    every_step = predict_step(_costs("allgather", 0.02), cluster, hierarchical=False)
+    every_ten = predict_step(_costs("allgather", 0.02, sync_every=10), cluster, hierarchical=False)
+    assert every_ten.inter_s == pytest.approx(every_step.inter_s / 10)
+    assert every_ten.intra_s == pytest.approx(every_step.intra_s / 10)
+    # the inner steps' forward/backward stays whole; compressing, decoding (7 other ranks' payloads) spread
+    assert every_ten.compute_s == pytest.approx(2.0 * (0.5 + (0.2 + 7 * 0.01) / 10))

@@ -13,7 +13,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_gradcomp.hook import GradCompHook, StepStats
+from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
+from lightning_gradcomp.hook import GradCompHook
+from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.units import is_compressed
 
@@ -84,6 +86,25 @@ def resolve_layers(
     return layers
 
 
+def require_recording_strategy(trainer: pl.Trainer, owner: str) -> None:
+    """``TypeError`` unless the trainer's strategy records :class:`StepStats`: a :class:`GradCompStrategy` (every step's
+    exchange) or a :class:`~lightning_gradcomp.diloco.GradCompDiLoCoStrategy` (every inner step, bytes at the
+    synchronisations)."""
+    if not isinstance(trainer.strategy, GradCompDiLoCoStrategy):
+        require_strategy(trainer, owner)
+
+
+def recorder_of(trainer: pl.Trainer) -> GradCompHook | OuterSync:
+    """What records the strategy's :class:`StepStats` (``history``, ``last_step``, ``memory``): the hook, or DiLoCo's
+    outer loop (it exists from ``on_fit_start`` on)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, GradCompDiLoCoStrategy):
+        if strategy.outer_sync is None:
+            raise RuntimeError("the GradCompDiLoCoStrategy has no outer loop yet; is the strategy set up?")
+        return strategy.outer_sync
+    return hook_of(trainer)
+
+
 def hook_of(trainer: pl.Trainer) -> GradCompHook:
     """The strategy's hook (it exists once the strategy has wrapped the model, from ``on_fit_start`` on)."""
     hook = getattr(trainer.strategy, "gradcomp_hook", None)
@@ -92,7 +113,7 @@ def hook_of(trainer: pl.Trainer) -> GradCompHook:
     return hook
 
 
-def new_steps(hook: GradCompHook, after: int) -> list[StepStats]:
+def new_steps(hook: GradCompHook | OuterSync, after: int) -> list[StepStats]:
     """The recorded steps with index above ``after``, oldest first (walks the history from its end)."""
     steps: list[StepStats] = []
     for stats in reversed(hook.history):

@@ -1,6 +1,6 @@
 """``CompressionMonitor``: what compression saves and what it costs, logged while training runs.
 
-Every number comes from the hook's per-step record (:class:`~lightning_gradcomp.hook.StepStats`):
+Every number comes from the hook's per-step record (:class:`~lightning_gradcomp.stats.StepStats`):
 bytes are those the comm layer counted as handed to collectives (padding and size exchanges
 included), never a formula, so the logged compression ratio is the measured one.
 """
@@ -18,12 +18,13 @@ from rich.table import Table
 
 from lightning_gradcomp.callbacks._common import (
     gather_vectors,
-    hook_of,
     log_to_loggers,
     new_steps,
-    require_strategy,
+    recorder_of,
+    require_recording_strategy,
 )
-from lightning_gradcomp.hook import StepStats
+from lightning_gradcomp.diloco import GradCompDiLoCoStrategy
+from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.validation import check_bool, check_int
 
 
@@ -110,6 +111,12 @@ class RankSummary:
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def _adaptive(recorder: object) -> bool:
+    """Whether the recorder's steps follow an adaptive schedule (DiLoCo's outer loop has none)."""
+    schedule = getattr(recorder, "schedule", None)
+    return bool(schedule is not None and schedule.observes)
+
+
 def _ratio(num: float, den: float) -> float:
     return num / den if den else math.inf
 
@@ -122,7 +129,7 @@ class CompressionMonitor(pl.Callback):
     """Logs bytes, compression ratio, density, time shares and residual norm every ``every_n_steps`` steps.
 
     Every ``every_n_steps`` optimizer steps (and once more at the end of training for the steps
-    left over) each rank sums the hook's :class:`~lightning_gradcomp.hook.StepStats` of the steps
+    left over) each rank sums the hook's :class:`~lightning_gradcomp.stats.StepStats` of the steps
     since the last log, the ranks' sums are gathered to rank 0 (one small ``all_gather``), and
     rank 0 writes to every logger of the trainer (values per step, averaged over the window):
 
@@ -141,6 +148,12 @@ class CompressionMonitor(pl.Callback):
       time itself (mean over ranks);
     - ``gradcomp/residual_norm``: the L2 norm of every rank's memory state taken as one vector
       (error-feedback residuals, DIANA's ``h_i``), when the memory has state.
+
+    Under :class:`~lightning_gradcomp.GradCompDiLoCoStrategy` every inner step is a step: those between two
+    synchronisations send nothing and the synchronisation's bytes fall on its step, so the logged bytes are per
+    inner step and the ratio is plain DDP's bytes over DiLoCo's, per inner step (``gradcomp/residual_norm``: the
+    memory of a compressed outer exchange). Choose ``every_n_steps`` a multiple of ``sync_every``: a window without a
+    synchronisation sent nothing (its ratio is infinite).
 
     With ``progress_bar=True`` rank 0's compression ratio of the latest step is logged as
     ``comp_ratio`` with ``prog_bar=True`` (shown by ``TQDMProgressBar`` and ``RichProgressBar``)
@@ -201,13 +214,19 @@ class CompressionMonitor(pl.Callback):
         self._window_seconds = 0.0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check that the strategy is a :class:`~lightning_gradcomp.GradCompStrategy`."""
-        require_strategy(trainer, type(self).__name__)
+        """Check that the strategy records steps: a :class:`~lightning_gradcomp.GradCompStrategy` or a
+        :class:`~lightning_gradcomp.GradCompDiLoCoStrategy`."""
+        require_recording_strategy(trainer, type(self).__name__)
+        if self.per_layer and isinstance(trainer.strategy, GradCompDiLoCoStrategy):
+            raise ValueError(
+                "CompressionMonitor(per_layer=True) prints the DDP hook's per-layer payloads; DiLoCo's outer loop "
+                "records whole synchronisations: use per_layer=False"
+            )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         self.summary = []
-        hook = hook_of(trainer)
+        hook = recorder_of(trainer)
         if self.per_layer:
             hook.track_layers = True
         self._element_size = {name: p.element_size() for name, p in pl_module.named_parameters()}
@@ -225,7 +244,7 @@ class CompressionMonitor(pl.Callback):
         if self._batch_start is not None:
             self._window_seconds += time.perf_counter() - self._batch_start
             self._batch_start = None
-        hook = hook_of(trainer)
+        hook = recorder_of(trainer)
         last = hook.last_step
         if last is None or last.step == self._last_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
@@ -236,7 +255,7 @@ class CompressionMonitor(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush(trainer, pl_module)
-        hook = hook_of(trainer)
+        hook = recorder_of(trainer)
         norm = hook.memory.norm()
         local = [*self._run.vector(), -1.0 if norm is None else norm**2]
         gathered = gather_vectors(trainer, pl_module, local)
@@ -252,7 +271,7 @@ class CompressionMonitor(pl.Callback):
         ]
         self.summary.append(self._summarise("all", total, total_norm, len(per_rank)))
         self.summary[-1].layers = self._layer_rows()
-        self.output_layer = trainer.strategy.output_layer
+        self.output_layer = getattr(trainer.strategy, "output_layer", None)
         if self.print_summary and trainer.is_global_zero:
             console = Console()
             console.print(self.summary_table())
@@ -261,7 +280,7 @@ class CompressionMonitor(pl.Callback):
 
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Sum the steps since the last flush, gather the sums to every rank, log on rank 0."""
-        hook = hook_of(trainer)
+        hook = recorder_of(trainer)
         steps = new_steps(hook, self._last_step)
         window = _Totals()
         for stats in steps:
@@ -287,7 +306,7 @@ class CompressionMonitor(pl.Callback):
         per_rank = [_Totals.from_vector(row[:-1]) for row in gathered]
         if not per_rank or per_rank[0].steps == 0:
             return
-        metrics = self._metrics(per_rank, [row[-1] for row in gathered], hook.schedule.observes)
+        metrics = self._metrics(per_rank, [row[-1] for row in gathered], _adaptive(hook))
         log_to_loggers(trainer, metrics, trainer.global_step)
 
     def _metrics(self, per_rank: list[_Totals], norm_squares: list[float], adaptive: bool) -> dict[str, float]:

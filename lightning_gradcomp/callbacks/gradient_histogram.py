@@ -31,7 +31,7 @@ from lightning_gradcomp.callbacks._common import (
     require_strategy,
     resolve_layers,
 )
-from lightning_gradcomp.hook import Capture
+from lightning_gradcomp.stats import Capture
 from lightning_gradcomp.validation import check_choice, check_int
 
 BACKENDS = ("auto", "tensorboard", "png")

@@ -9,6 +9,7 @@ from lightning_gradcomp.compressors.base import Compressor, Entries, Payload, al
 from lightning_gradcomp.compressors.dgc import DGCCompressor
 from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.compressors.identity import DensePayload, IdentityCompressor
+from lightning_gradcomp.compressors.lowbit import TwoBitPayload, TwoBitValues
 from lightning_gradcomp.compressors.powersgd import LowRankPayload, PowerSGDCompressor
 from lightning_gradcomp.compressors.precision import WIRE_PRECISIONS, CastPayload, WirePrecision
 from lightning_gradcomp.compressors.qsgd import LevelsPayload, QSGDCompressor
@@ -82,6 +83,8 @@ __all__ = [
     "TernaryPayload",
     "TernarySlice",
     "TopKCompressor",
+    "TwoBitPayload",
+    "TwoBitValues",
     "WirePrecision",
     "all_finite",
     "build_compressor",

@@ -99,6 +99,7 @@ class GaussianKCompressor(TopKCompressor):
     """
 
     name = "gaussiank"
+    exact_count = False
 
     def __init__(self, density: float = 0.001, refinements: int = 3) -> None:
         super().__init__(density)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -182,6 +183,8 @@ class FixedKSparsifier(Compressor):
     sparse = True
     float_wire = True
     density: float
+    #: whether every payload carries exactly ``k_for(d, density)`` entries (Gaussian_k's count varies below it)
+    exact_count: ClassVar[bool] = True
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
         # the count is k unless a subclass sends a count that varies (and declares no fixed size): then the header's

@@ -1,7 +1,17 @@
 """DiLoCo: local SGD with an outer optimizer, synchronising every ``H`` inner steps (a front end beside the DDP
-hook, over the same core: :mod:`lightning_gradcomp.comm` for the exchange and its byte count)."""
+hook, over the same core: compressors, memories and aggregators for a compressed exchange,
+:mod:`lightning_gradcomp.comm` for its byte count, the per-rank shards of :mod:`lightning_gradcomp.checkpoint`)."""
 
+from lightning_gradcomp.diloco.exchange import PseudoGradientExchange
+from lightning_gradcomp.diloco.fabric import GradCompDiLoCoFabricStrategy
 from lightning_gradcomp.diloco.outer import OuterSync
+from lightning_gradcomp.diloco.presets import DILOCO_PRESETS
 from lightning_gradcomp.diloco.strategy import GradCompDiLoCoStrategy
 
-__all__ = ["GradCompDiLoCoStrategy", "OuterSync"]
+__all__ = [
+    "DILOCO_PRESETS",
+    "GradCompDiLoCoFabricStrategy",
+    "GradCompDiLoCoStrategy",
+    "OuterSync",
+    "PseudoGradientExchange",
+]

@@ -11,20 +11,34 @@ bit for bit on two ranks: the pseudo-gradient in the parameters' dtype, summed o
 number in place; the parameters put back to ``theta_prev``; the average set as their gradient; the outer step;
 the result kept as the next ``theta_prev``; the gradients dropped. Tensors of one dtype travel in one allreduce
 (torchft sends each parameter on its own; the sums are the same element by element).
+
+Given a ``compressor``, the pseudo-gradient is averaged through it instead, with a ``memory`` (error feedback,
+with SparseLoCo's decay; DIANA) and an aggregator (:class:`~lightning_gradcomp.diloco.exchange.PseudoGradientExchange`):
+SparseLoCo (Sarfi et al., 2025, arXiv 2508.15706) is Top-k with 2-bit values under error feedback with decay, and
+a plain outer SGD step (no momentum) of lr 1. Every inner step leaves a :class:`~lightning_gradcomp.stats.StepStats`
+in :attr:`OuterSync.history`: no bytes between synchronisations, the synchronisation's counted bytes at its step,
+against what plain DDP would send every step (``dense_bytes``), so a window's ratio is the saving per inner step.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gradcomp.comm import Collectives, CommCounter
+from lightning_gradcomp.comm import Aggregator, Collectives, CommCounter
+from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.diloco.exchange import PseudoGradientExchange
+from lightning_gradcomp.memory import Memory, NoMemory
+from lightning_gradcomp.pipeline import build_pipeline
+from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.validation import check_bool, check_int, check_number
 
-__all__ = ["OuterSync", "check_outer_arguments"]
+__all__ = ["OuterSync", "check_exchange_arguments", "check_outer_arguments"]
 
 
 def check_outer_arguments(sync_every: int, outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
@@ -36,6 +50,56 @@ def check_outer_arguments(sync_every: int, outer_lr: float, outer_momentum: floa
     check_bool("nesterov", nesterov)
     if nesterov and not outer_momentum:
         raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain outer SGD")
+
+
+def check_exchange_arguments(
+    compressor: str | Compressor | None,
+    compressor_kwargs: dict[str, Any] | None,
+    density: float | None,
+    wire_precision: str | None,
+    memory: str,
+    memory_kwargs: dict[str, Any] | None,
+    aggregator: str | Aggregator,
+    min_compress_numel: int,
+    seed: int,
+) -> tuple[Compressor, Memory] | None:
+    """The compressed exchange's compressor and memory (``None``: the dense average), or a ``ValueError`` naming the
+    first argument out of range or refused by another (as the DDP strategies refuse them)."""
+    check_int("min_compress_numel", min_compress_numel, 0)
+    check_int("seed", seed, 0)
+    if compressor is None:
+        given = (
+            compressor_kwargs,
+            density,
+            wire_precision,
+            memory,
+            memory_kwargs,
+            aggregator,
+            min_compress_numel,
+            seed,
+        )
+        if given != (None, None, None, "none", None, "auto", 0, 0):
+            raise ValueError(
+                "compressor_kwargs, density, wire_precision, memory, memory_kwargs, aggregator, min_compress_numel and "
+                "seed configure a compressed exchange; pass compressor= too (without one the pseudo-gradient is "
+                "averaged densely)"
+            )
+        return None
+    name = aggregator if isinstance(aggregator, str) else aggregator.name
+    built = build_pipeline(compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, name)
+    codec = built[0]
+    needs = [what for what, flag in (("each parameter's own shape", codec.needs_layer_shape or codec.takes_shapes),
+                                     ("a warm start carried between steps", codec.warm_started),
+                                     ("a scale shared over the ranks", codec.shares_scale)) if flag]  # fmt: skip
+    if needs:
+        raise ValueError(
+            f"compressor={compressor!r}: {codec!r} needs {' and '.join(needs)}, which DiLoCo's exchange does not give "
+            "(it compresses each parameter's pseudo-gradient as a flat vector); use topk, randomk, dgc, gaussiank, "
+            "qsgd, quantizer, sign, or terngrad without share_scale"
+        )
+    if name == "gtopk" and not codec.sparse:
+        raise ValueError(f"aggregator='gtopk' merges sparse payloads, and {codec!r} is not sparse; use 'allgather'")
+    return built
 
 
 class OuterSync:
@@ -52,6 +116,14 @@ class OuterSync:
         outer_momentum: its momentum, in [0, 1).
         nesterov: Nesterov momentum (the paper's), which needs ``outer_momentum > 0``.
         group: the process group of the ranks (default: the world).
+        compressor: ``None`` (the default) averages the pseudo-gradient densely, as the paper and torchft do; a
+            compressor's registry name or instance averages it compressed, with ``compressor_kwargs``,
+            ``density``, ``wire_precision`` (``"fp16"``, ``"bf16"``, ``"2bit"``), ``memory`` (``"none"``,
+            ``"ef"``, ``"diana"``) with ``memory_kwargs`` (error feedback's ``decay``: SparseLoCo's ``beta``), and
+            ``aggregator``, validated as the DDP strategies validate them.
+        min_compress_numel: parameters with fewer elements are averaged densely (compressed exchange only).
+        seed: base seed of the compressor's random streams, a function of (seed, rank, synchronisation, unit).
+        history: how many inner steps' :class:`~lightning_gradcomp.stats.StepStats` to keep.
     """
 
     def __init__(
@@ -62,13 +134,29 @@ class OuterSync:
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         group: torch.distributed.ProcessGroup | None = None,
+        *,
+        compressor: str | Compressor | None = None,
+        compressor_kwargs: dict[str, Any] | None = None,
+        density: float | None = None,
+        wire_precision: str | None = None,
+        memory: str = "none",
+        memory_kwargs: dict[str, Any] | None = None,
+        aggregator: str | Aggregator = "auto",
+        min_compress_numel: int = 0,
+        seed: int = 0,
+        history: int = 1000,
     ) -> None:
         check_outer_arguments(sync_every, outer_lr, outer_momentum, nesterov)
+        check_int("history", history, 1)
+        built = check_exchange_arguments(
+            compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, aggregator,
+            min_compress_numel, seed,
+        )  # fmt: skip
         self.sync_every = sync_every
         self._parameters = [(name, p) for name, p in parameters if p.requires_grad]
         if not self._parameters:
             raise ValueError("parameters holds no trainable parameter: there is nothing to synchronise")
-        #: counts the bytes of every synchronisation
+        #: counts the bytes of every synchronisation, over the whole run (each one's are in its step's record)
         self.counter = CommCounter()
         self.collectives = Collectives(group, self.counter) if dist.is_available() and dist.is_initialized() else None
         if self.collectives is not None and self.collectives.world_size > 1:
@@ -83,6 +171,27 @@ class OuterSync:
         )
         self.inner_steps = 0
         self._flats, self._deltas = self._flat_by_kind()
+        #: the compressed exchange (``None``: dense, as torchft)
+        self.exchange: PseudoGradientExchange | None = None
+        if built is not None:
+            self.exchange = PseudoGradientExchange(*built, aggregator, self.collectives, seed, min_compress_numel)
+        #: this rank's state between synchronisations (error feedback's residuals, DIANA's shifts)
+        self.memory: Memory = built[1] if built is not None else NoMemory()
+        #: one record per inner step, the latest last
+        self.history: deque[StepStats] = deque(maxlen=history)
+        self._numel = sum(p.numel() for _, p in self._parameters)
+        self._dense_bytes = sum(p.numel() * p.element_size() for _, p in self._parameters)
+        self._steps = self._synchronisations = 0
+
+    def totals(self) -> tuple[int, int, int, int]:
+        """``(inner steps, bytes sent, dense bytes, synchronisations)`` since this object was built: whole-run figures
+        whatever ``history`` keeps (``dense_bytes`` is what DDP would have sent over those steps)."""
+        return self._steps, self.counter.bytes_sent, self._steps * self._dense_bytes, self._synchronisations
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """The latest inner step's record (``None`` before the first)."""
+        return self.history[-1] if self.history else None
 
     def _flat_by_kind(self) -> tuple[list[Tensor], dict[str, Tensor]]:
         """A flat pseudo-gradient buffer per (device, dtype), allocated once, and each parameter's view of it."""
@@ -100,14 +209,39 @@ class OuterSync:
     def step(self) -> bool:
         """Count an inner step; every ``sync_every``-th, synchronise. Returns whether it did."""
         self.inner_steps += 1
+        self._steps += 1
+        stats = StepStats(step=self.inner_steps - 1, numel=self._numel, dense_bytes=self._dense_bytes)
+        self.history.append(stats)
         if self.inner_steps % self.sync_every:
             return False
-        self.synchronise()
+        counter = self.counter
+        before = (
+            counter.bytes_sent,
+            counter.bytes_received,
+            counter.calls,
+            counter.seconds,
+            dict(counter.sent_by_dtype),
+        )
+        self.synchronise(stats)
+        self._synchronisations += 1
+        stats.synchronised = True
+        stats.compressed = self.exchange is not None
+        stats.bytes_sent = counter.bytes_sent - before[0]  # the counter runs on over the whole run
+        stats.bytes_received = counter.bytes_received - before[1]
+        stats.collectives = counter.calls - before[2]
+        stats.bytes_sent_by_dtype = {
+            dtype: sent - before[4].get(dtype, 0)
+            for dtype, sent in counter.sent_by_dtype.items()
+            if sent > before[4].get(dtype, 0)
+        }
+        if self.exchange is None:
+            stats.seconds_communicate = counter.seconds - before[3]
         return True
 
     @torch.no_grad()
-    def synchronise(self) -> None:
-        """Average the pseudo-gradients and take the outer step from ``theta_prev`` (every rank alike)."""
+    def synchronise(self, stats: StepStats | None = None) -> None:
+        """Average the pseudo-gradients and take the outer step from ``theta_prev`` (every rank alike); ``stats``,
+        when given, counts what the compressed exchange compressed and how long it took."""
         changed = sorted(name for name, p in self._parameters if not p.requires_grad)
         if changed:
             raise RuntimeError(
@@ -116,7 +250,11 @@ class OuterSync:
             )
         for name, p in self._parameters:  # delta = theta_prev - theta_local, in the parameter's dtype
             torch.sub(self.anchor[name], p, out=self._deltas[name])
-        if self.collectives is not None:
+        if self.exchange is not None:
+            synchronisation = self.inner_steps // self.sync_every - 1
+            deltas = [(name, self._deltas[name].view(-1)) for name, _ in self._parameters]
+            self.exchange.average_(deltas, synchronisation, stats if stats is not None else StepStats(step=-1))
+        elif self.collectives is not None:
             world = self.collectives.world_size
             for flat in self._flats:
                 self.collectives.all_reduce_(flat)
@@ -130,12 +268,13 @@ class OuterSync:
         self.outer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
-        """What a resumed run needs (every rank holds the same): the inner step count, ``theta_prev`` and the outer
-        optimizer's state."""
+        """What a resumed run needs: the inner step count, ``theta_prev`` and the outer optimizer's state (every rank
+        holds the same), and this rank's memory (its own)."""
         return {
             "inner_steps": self.inner_steps,
             "anchor": {name: t.detach().to("cpu", copy=True) for name, t in self.anchor.items()},
             "outer": self.outer.state_dict(),
+            "memory": {name: t.detach().to("cpu", copy=True) for name, t in self.memory.state_dict().items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -148,3 +287,5 @@ class OuterSync:
         for name, value in state["anchor"].items():
             self.anchor[name].copy_(value)
         self.outer.load_state_dict(state["outer"])
+        device = next(iter(self.anchor.values())).device
+        self.memory.load_state_dict({name: t.to(device) for name, t in state.get("memory", {}).items()})

@@ -5,17 +5,17 @@ share of the data, and after every ``sync_every``-th optimizer step :class:`~lig
 averages the pseudo-gradient over the ranks and takes the outer step. Between two synchronisations the ranks hold
 different weights and inner optimizer states, so a checkpoint keeps each rank's own beside it (one shard per rank,
 as the compression state of the DDP strategies: :mod:`lightning_gradcomp.checkpoint`), with ``theta_prev``, the
-outer optimizer's state and the precision plugin's (each rank's loss scaler sees its own gradients); a resumed run
-goes on from exactly where each rank was. Buffers (BatchNorm's statistics) stay each rank's own, as in torchft's
-DiLoCo. The checkpoint's weights, and what ``trainer.validate`` evaluates after ``fit``, are rank 0's own, up to
-``sync_every - 1`` steps past the last synchronisation (``theta_prev`` is ``strategy.outer_sync.anchor``).
+outer optimizer's state, the memory of a compressed exchange and the precision plugin's (each rank's loss scaler
+sees its own gradients); a resumed run goes on from exactly where each rank was. Buffers (BatchNorm's statistics)
+stay each rank's own, as in torchft's DiLoCo. The checkpoint's weights, and what ``trainer.validate`` evaluates
+after ``fit``, are rank 0's own, up to ``sync_every - 1`` steps past the last synchronisation (``theta_prev`` is
+``strategy.outer_sync.anchor``).
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -24,25 +24,22 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_gradcomp.checkpoint import manifest, read_shard, remove_shards, write_shard
-from lightning_gradcomp.diloco.outer import OuterSync, check_outer_arguments
+from lightning_gradcomp.checkpoint import remove_shards
+from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.diloco.presets import DILOCO_PRESETS
+from lightning_gradcomp.diloco.settings import DILOCO_KEY, DiLoCoSettings, refuse_wrapper_arguments
 
-__all__ = ["DILOCO_KEY", "GradCompDiLoCoStrategy"]
-
-#: The manifest's key in the checkpoint.
-DILOCO_KEY = "diloco"
+__all__ = ["GradCompDiLoCoStrategy"]
 
 
-class GradCompDiLoCoStrategy(DDPStrategy):
+class GradCompDiLoCoStrategy(DiLoCoSettings, DDPStrategy):
     """Local SGD with an outer optimizer (Douillard et al., 2023): ``sync_every`` inner steps, then one exchange.
 
-    Args:
-        sync_every: optimizer steps between synchronisations (``H``, at least 1).
-        outer_lr: the outer SGD's learning rate (> 0; the paper's 0.7).
-        outer_momentum: its momentum, in [0, 1) (the paper's 0.9).
-        nesterov: Nesterov momentum (the paper's), which needs ``outer_momentum > 0``.
-        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments (``timeout``, ...); those of the
-            ``DistributedDataParallel`` wrapper are refused (there is none).
+    Args: :class:`~lightning_gradcomp.diloco.settings.DiLoCoSettings`' (``sync_every``, ``outer_lr``,
+    ``outer_momentum``, ``nesterov``, and a compressed exchange's ``compressor``, ``density``, ``wire_precision``,
+    ``memory``, ``memory_kwargs``, ``aggregator``, ``min_compress_numel``, ``seed``), then
+    :class:`~lightning.pytorch.strategies.DDPStrategy`'s (``timeout``, ...); those of the
+    ``DistributedDataParallel`` wrapper are refused (there is none).
     """
 
     strategy_name = "ddp_diloco"
@@ -53,40 +50,33 @@ class GradCompDiLoCoStrategy(DDPStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        compressor: str | Compressor | None = None,
+        compressor_kwargs: dict[str, Any] | None = None,
+        density: float | None = None,
+        wire_precision: Literal["fp16", "bf16", "2bit"] | None = None,
+        memory: str = "none",
+        memory_kwargs: dict[str, Any] | None = None,
+        aggregator: str = "auto",
+        min_compress_numel: int = 0,
+        seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        check_outer_arguments(sync_every, outer_lr, outer_momentum, nesterov)
-        self.sync_every, self.outer_lr = sync_every, outer_lr
-        self.outer_momentum, self.nesterov = outer_momentum, nesterov
-        allowed = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-                   "process_group_backend", "timeout", "start_method")  # fmt: skip
-        wrapper = sorted(k for k, value in kwargs.items() if k not in allowed and value is not None)
-        kwargs = {k: value for k, value in kwargs.items() if k in allowed}  # a config parser's Nones dropped
-        if wrapper:
-            raise ValueError(
-                f"GradCompDiLoCoStrategy trains without a DistributedDataParallel wrapper (inner steps exchange "
-                f"nothing); do not pass its arguments {wrapper}"
-            )
-        super().__init__(**kwargs)
-        self.outer_sync: OuterSync | None = None
+        DiLoCoSettings.__init__(
+            self, sync_every, outer_lr, outer_momentum, nesterov, compressor, compressor_kwargs, density,
+            wire_precision, memory, memory_kwargs, aggregator, min_compress_numel, seed,
+        )  # fmt: skip
+        DDPStrategy.__init__(self, **refuse_wrapper_arguments(type(self).__name__, kwargs))
         self._pending: dict[str, Any] | None = None
-        self._run_tag = uuid.uuid4().hex
-        self._saves = 0
 
     @override
     def configure_ddp(self) -> None:
         """No ``DistributedDataParallel``: build the outer loop (every rank starts from rank 0's weights), and give
         a restored rank its own weights and ``theta_prev`` back."""
         module = self.lightning_module
-        self.outer_sync = OuterSync(
-            module.named_parameters(), self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov
-        )
-        shared: list[Any] = [self._run_tag]
-        torch.distributed.broadcast_object_list(shared, src=0)  # the tag that marks this run's shards
-        self._run_tag = shared[0]
+        outer_sync = self.build_outer_sync(module)
         if self._pending is not None:
             module.load_state_dict(self._pending["model"], strict=module.strict_loading)
-            self.outer_sync.load_state_dict(self._pending["outer"])
+            outer_sync.load_state_dict(self._pending["outer"])
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -115,17 +105,14 @@ class GradCompDiLoCoStrategy(DDPStrategy):
         """Write this rank's weights, inner optimizer states and outer state beside ``filepath`` (every rank), then
         the checkpoint with their manifest (rank 0)."""
         if "optimizer_states" in checkpoint and self.outer_sync is not None:
-            self._saves += 1
-            tag = f"{self._run_tag}-{self._saves}"
-            shard = {
-                "tag": tag,
-                "model": self.lightning_module.state_dict(),
-                "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-                "outer": self.outer_sync.state_dict(),
-                "precision": self.precision_plugin.state_dict(),
-            }
-            write_shard(filepath, self.global_rank, self.world_size, shard)
-            checkpoint[DILOCO_KEY] = manifest(self.world_size, tag, "diloco", "none")
+            checkpoint[DILOCO_KEY] = self.write_diloco_shard(
+                filepath,
+                self.global_rank,
+                self.world_size,
+                self.lightning_module,
+                self.optimizers,
+                self.precision_plugin.state_dict(),
+            )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -142,12 +129,7 @@ class GradCompDiLoCoStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(DILOCO_KEY)
         if saved is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            if saved["world_size"] != self.world_size:
-                raise ValueError(
-                    f"the checkpoint {checkpoint_path} holds the DiLoCo state of {saved['world_size']} ranks, but "
-                    f"this run has {self.world_size}"
-                )
-            self._pending = read_shard(checkpoint_path, self.global_rank, saved)
+            self._pending = self.read_diloco_shard(checkpoint_path, self.global_rank, self.world_size, saved)
         return checkpoint
 
     @override
@@ -169,9 +151,5 @@ class GradCompDiLoCoStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="DiLoCo: local SGD, the pseudo-gradient averaged every sync_every steps (outer Nesterov SGD)",
-            override=True,
-        )
+        for name, (description, arguments) in DILOCO_PRESETS.items():
+            strategy_registry.register(name, cls, description=description, override=True, **arguments)

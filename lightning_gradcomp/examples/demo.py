@@ -14,7 +14,7 @@ from rich.table import Table
 from lightning_gradcomp.catalog import PROG
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.examples.teacher import MLPClassifier, TeacherDataModule
-from lightning_gradcomp.hook import bytes_per_compressed_step
+from lightning_gradcomp.stats import bytes_per_compressed_step
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.torch_ddp import destroy_process_group
 from lightning_gradcomp.validation import check_density, check_int

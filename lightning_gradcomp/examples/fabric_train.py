@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import lightning_gradcomp  # noqa: F401  (registers the named strategies with Fabric)
 from lightning_gradcomp.examples.teacher import teacher_dataset
-from lightning_gradcomp.hook import bytes_per_compressed_step
+from lightning_gradcomp.stats import bytes_per_compressed_step
 from lightning_gradcomp.torch_ddp import destroy_process_group
 
 

@@ -88,7 +88,12 @@ class RunSummary(Callback):
 
     def _bytes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         hook = getattr(trainer.strategy, "gradcomp_hook", None)
-        if hook is not None:
+        outer_sync = getattr(trainer.strategy, "outer_sync", None)
+        if outer_sync is not None:  # DiLoCo: the whole fit's inner steps, bytes at the synchronisations
+            source = BYTES_FROM_HOOK
+            steps, sent, dense, synchronisations = outer_sync.totals()
+            local = [sent, dense, steps, synchronisations if outer_sync.exchange is not None else 0]
+        elif hook is not None:
             history = list(hook.history)
             source = BYTES_FROM_HOOK
             local = [
@@ -122,6 +127,9 @@ class RunSummary(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         compressor = getattr(strategy, "compressor", None)
+        if compressor is None and getattr(strategy, "outer_sync", None) is not None:
+            exchange = strategy.outer_sync.exchange
+            compressor = exchange.compressor if exchange is not None else None
         summary = {
             "strategy": type(strategy).__name__,
             "compressor": repr(compressor) if compressor is not None else None,

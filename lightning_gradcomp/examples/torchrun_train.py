@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
 from lightning_gradcomp.examples.teacher import teacher_dataset
-from lightning_gradcomp.hook import bytes_per_compressed_step
+from lightning_gradcomp.stats import bytes_per_compressed_step
 from lightning_gradcomp.torch_ddp import destroy_process_group
 
 

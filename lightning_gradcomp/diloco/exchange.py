@@ -1,0 +1,114 @@
+"""The pseudo-gradient averaged through the library's compressor, memory and aggregator (DiLoCo's compressed
+synchronisation; SparseLoCo, Sarfi et al., 2025, arXiv 2508.15706, Algorithm 1, with error feedback).
+
+Each trained parameter is a unit of its own, as SparseLoCo compresses each tensor (in chunks) apart. At a
+synchronisation, for each parameter's pseudo-gradient ``delta`` (flat, in place):
+
+1. ``x = memory.compensate_(delta)`` (error feedback: ``delta + beta * e``; DIANA: ``delta - h_i``);
+2. ``payload = compressor.compress(x, generator)``, the generator seeded from (seed, rank, synchronisation, unit):
+   the same draws after any restart;
+3. every compressed payload travels in one aggregation (one collective, plus a size exchange where sizes vary;
+   parameters averaged densely take one allreduce each, as the DDP hook's dense units do);
+4. ``memory.settle_`` takes what of this rank's payload reached the average (``e = x - sent``), then the average is
+   written over ``delta`` (``memory.conclude_``: DIANA adds its ``h``).
+
+Parameters with fewer than ``min_compress_numel`` elements are averaged densely in the same aggregation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from lightning_gradcomp.comm import AGGREGATORS, Aggregate, Aggregator, Collectives, Contribution
+from lightning_gradcomp.comm.aggregators import local_part
+from lightning_gradcomp.compressors import Compressor, IdentityCompressor
+from lightning_gradcomp.memory import Memory
+from lightning_gradcomp.randomness import UnitStreams
+from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.units import unit_key
+
+__all__ = ["PseudoGradientExchange"]
+
+
+class PseudoGradientExchange:
+    """Averages pseudo-gradients over the ranks through ``compressor``, ``memory`` and ``aggregator``.
+
+    Args:
+        compressor: compresses each parameter's (compensated) pseudo-gradient.
+        memory: this rank's state per parameter (error feedback, DIANA's shifts), part of the checkpoint.
+        aggregator: ``"allgather"``, ``"allreduce"``, ``"gtopk"``, ``"auto"`` (the compressor's choice) or an
+            :class:`~lightning_gradcomp.comm.Aggregator`.
+        collectives: the ranks' counted collectives; ``None`` alone (the average of one rank is its own payload).
+        seed: base seed of the units' random streams (:mod:`lightning_gradcomp.randomness`).
+        min_compress_numel: parameters with fewer elements are averaged densely.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: Memory,
+        aggregator: str | Aggregator,
+        collectives: Collectives | None,
+        seed: int = 0,
+        min_compress_numel: int = 0,
+    ) -> None:
+        self.compressor, self.memory, self.collectives = compressor, memory, collectives
+        world = collectives.world_size if collectives is not None else 1
+        if isinstance(aggregator, str):
+            aggregator = AGGREGATORS[compressor.preferred_aggregator(world) if aggregator == "auto" else aggregator]()
+        self.aggregator = aggregator
+        self.streams = UnitStreams(seed, collectives.rank if collectives is not None else 0)
+        self.min_compress_numel = min_compress_numel
+        self._dense = IdentityCompressor()
+        self._keys: dict[str, int] = {}
+
+    def compressed(self, numel: int) -> bool:
+        """Whether a parameter of ``numel`` elements is compressed (else averaged densely)."""
+        return numel >= self.min_compress_numel
+
+    def average_(self, deltas: Sequence[tuple[str, Tensor]], synchronisation: int, stats: StepStats) -> None:
+        """Overwrite each ``(name, delta)`` (flat views) with the average over the ranks of its compressed form,
+        moving the memory on; ``stats`` counts what was compressed and the payloads' bytes."""
+        start = time.perf_counter()
+        contributions = []
+        for name, x in deltas:
+            if not self.compressed(x.numel()):
+                contributions.append(Contribution(self._dense, self._dense.compress(x)))
+                continue
+            self.memory.compensate_(name, x)
+            key = self._keys.get(name)
+            if key is None:
+                key = self._keys[name] = unit_key([name])
+            payload = self.compressor.compress(x, self.streams.generator(x.device, synchronisation, key))
+            contributions.append(Contribution(self.compressor, payload))
+            stats.numel_compressed += x.numel()
+            stats.payload_bytes += payload.nbytes
+            stats.selected += payload.selected or 0
+        stats.seconds_compress += time.perf_counter() - start
+        start = time.perf_counter()
+        aggregates = self._aggregate(contributions)
+        stats.seconds_communicate += time.perf_counter() - start
+        start = time.perf_counter()
+        for (name, x), contribution, aggregate in zip(deltas, contributions, aggregates, strict=True):
+            if contribution.codec is self._dense:
+                x.copy_(aggregate.mean)
+                continue
+            finite = aggregate.finite if self.memory.keeps_state else True
+            stats.nonfinite_units += not finite
+            if finite:
+                self.memory.settle_(name, x, aggregate.reached if self.memory.uses_sent else None, x.numel())
+            mean = aggregate.decode_into(None)
+            self.memory.conclude_(name, mean, out=x, unit_numel=x.numel(), update=finite)
+        stats.seconds_decompress += time.perf_counter() - start
+
+    def _aggregate(self, contributions: list[Contribution]) -> list[Aggregate]:
+        """The aggregator's averages; alone, each payload decoded (what the compressor sends is still what counts)."""
+        if self.collectives is not None:
+            return self.aggregator.aggregate(contributions, self.collectives)
+        return [
+            Aggregate(lambda out, c=c: c.codec.decompress(c.payload), local=c, partial=local_part(c.codec, c.payload))
+            for c in contributions
+        ]

@@ -1,0 +1,149 @@
+"""What DiLoCo's Trainer and Fabric strategies share: their arguments, checked where they enter, the outer loop they
+build for a module, and each rank's shard beside a checkpoint (weights, inner optimizer states, loss scaler, outer
+state and memory: between two synchronisations every rank holds its own)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_gradcomp.checkpoint import manifest, read_shard, write_shard
+from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.diloco.outer import OuterSync, check_exchange_arguments, check_outer_arguments
+
+__all__ = ["DILOCO_KEY", "WRAPPER_FREE", "DiLoCoSettings", "refuse_wrapper_arguments"]
+
+#: The manifest's key in the checkpoint.
+DILOCO_KEY = "diloco"
+#: The strategies' own arguments besides DiLoCo's: those of ``DistributedDataParallel`` are refused (there is none).
+WRAPPER_FREE = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                "process_group_backend", "timeout", "start_method")  # fmt: skip
+
+
+class DiLoCoSettings:
+    """DiLoCo's arguments (those of :class:`~lightning_gradcomp.diloco.OuterSync`), validated once.
+
+    Args:
+        sync_every: optimizer steps between synchronisations (``H``, at least 1).
+        outer_lr: the outer SGD's learning rate (> 0; the paper's 0.7).
+        outer_momentum: its momentum, in [0, 1) (the paper's 0.9).
+        nesterov: Nesterov momentum (the paper's), which needs ``outer_momentum > 0``.
+        compressor: ``None`` averages the pseudo-gradient densely; else it is averaged through this compressor (a
+            registry name or an instance) with ``compressor_kwargs``, ``density``, ``wire_precision``, ``memory``,
+            ``memory_kwargs`` and ``aggregator``, as :class:`~lightning_gradcomp.GradCompStrategy` takes them;
+            each rank's memory goes in its checkpoint shard.
+        min_compress_numel: parameters with fewer elements are averaged densely (compressed exchange only).
+        seed: base seed of the compressor's random streams.
+    """
+
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compressor: str | Compressor | None = None,
+        compressor_kwargs: dict[str, Any] | None = None,
+        density: float | None = None,
+        wire_precision: str | None = None,
+        memory: str = "none",
+        memory_kwargs: dict[str, Any] | None = None,
+        aggregator: str = "auto",
+        min_compress_numel: int = 0,
+        seed: int = 0,
+    ) -> None:
+        check_outer_arguments(sync_every, outer_lr, outer_momentum, nesterov)
+        exchange = {
+            "compressor": compressor, "compressor_kwargs": compressor_kwargs, "density": density,
+            "wire_precision": wire_precision, "memory": memory, "memory_kwargs": memory_kwargs,
+            "aggregator": aggregator, "min_compress_numel": min_compress_numel, "seed": seed,
+        }  # fmt: skip
+        dense = check_exchange_arguments(**exchange) is None  # a bad combination fails here, not at setup
+        self.sync_every, self.outer_lr = sync_every, outer_lr
+        self.outer_momentum, self.nesterov = outer_momentum, nesterov
+        #: the compressed exchange's arguments (empty: the dense average)
+        self.exchange_arguments: dict[str, Any] = {} if dense else exchange
+        #: the outer loop, once the strategy has its module
+        self.outer_sync: OuterSync | None = None
+        self._run_tag = uuid.uuid4().hex
+        self._saves = 0
+
+    def build_outer_sync(self, module: nn.Module) -> OuterSync:
+        """The outer loop for ``module`` (every rank starts from rank 0's weights), and the run's tag shared from rank
+        0 (it marks this run's shards)."""
+        self.outer_sync = OuterSync(
+            module.named_parameters(),
+            self.sync_every,
+            self.outer_lr,
+            self.outer_momentum,
+            self.nesterov,
+            **self.exchange_arguments,
+        )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            shared: list[Any] = [self._run_tag]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self._run_tag = shared[0]
+        return self.outer_sync
+
+    def write_diloco_shard(
+        self,
+        path: Any,
+        rank: int,
+        world_size: int,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        precision: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Write this rank's shard beside ``path`` and return the manifest the checkpoint keeps under
+        :data:`DILOCO_KEY`."""
+        assert self.outer_sync is not None
+        self._saves += 1
+        tag = f"{self._run_tag}-{self._saves}"
+        shard = {
+            "tag": tag,
+            "model": module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in optimizers],
+            "outer": self.outer_sync.state_dict(),
+            "precision": precision,
+        }
+        write_shard(path, rank, world_size, shard)
+        return manifest(world_size, tag, *self._exchange_names())
+
+    def _exchange_names(self) -> tuple[str, str]:
+        """The memory's and the compressor's names (with a wire precision), as the manifest records them."""
+        arguments = self.exchange_arguments
+        compressor = arguments.get("compressor", "none")
+        name = compressor if isinstance(compressor, str) else type(compressor).__name__
+        wire = arguments.get("wire_precision")
+        return arguments.get("memory", "none"), f"{name}+{wire}" if wire else name
+
+    def read_diloco_shard(self, path: Any, rank: int, world_size: int, saved: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shard of the checkpoint at ``path`` whose manifest is ``saved``; a checkpoint of another world
+        size, memory or compressor is refused by name (its state would not mean what this run's does)."""
+        if saved["world_size"] != world_size:
+            raise ValueError(
+                f"the checkpoint {path} holds the DiLoCo state of {saved['world_size']} ranks, but this run has "
+                f"{world_size}"
+            )
+        memory, compressor = self._exchange_names()
+        if (saved["memory"], saved["compressor"]) != (memory, compressor):
+            raise ValueError(
+                f"the checkpoint {path} holds the DiLoCo state of memory {saved['memory']!r} and compressor "
+                f"{saved['compressor']!r}, but this run has memory {memory!r} and compressor {compressor!r}"
+            )
+        return read_shard(path, rank, saved)
+
+
+def refuse_wrapper_arguments(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without a config parser's ``None``\\s, or a ``ValueError`` naming ``DistributedDataParallel``'s
+    arguments among them (DiLoCo trains without the wrapper)."""
+    wrapper = sorted(k for k, value in kwargs.items() if k not in WRAPPER_FREE and value is not None)
+    if wrapper:
+        raise ValueError(
+            f"{owner} trains without a DistributedDataParallel wrapper (inner steps exchange nothing); do not pass "
+            f"its arguments {wrapper}"
+        )
+    return {k: value for k, value in kwargs.items() if k in WRAPPER_FREE}
