@@ -358,7 +358,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def measure_diloco_size(model_name: str, width: int, repeats: int) -> dict[str, Any]:
     """Each DiLoCo preset's synchronisation in a world of one (the exchange's compression, the aggregator's own
     decoding, the outer step) and its payload's bytes per element; the decoding of each further rank's payload
-    timed on its own."""
+    (parsed from its bytes, then added) timed on its own."""
     import torch
 
     from lightning_gradcomp.diloco import DILOCO_PRESETS, OuterSync
@@ -384,8 +384,9 @@ def measure_diloco_size(model_name: str, width: int, repeats: int) -> dict[str, 
         if sync.exchange is not None:
             codec = sync.exchange.compressor
             x = torch.randn(numel)
-            payload, total = codec.compress(x), torch.zeros(numel)
-            decode_s = _median_seconds(lambda c=codec, p=payload, t=total: c.accumulate(p, t))
+            wire, total = codec.compress(x).to_bytes(), torch.zeros(numel)
+            # each other rank's payload parsed from its bytes, then added (the DDP methods' profile times the adding)
+            decode_s = _median_seconds(lambda c=codec, b=wire, t=total: c.accumulate(c.unpack(b, t.shape, t.dtype), t))
         out[preset] = {
             "aggregator": "allreduce" if sync.exchange is None else "allgather",
             "codec_s": statistics.median(seconds[1:]),

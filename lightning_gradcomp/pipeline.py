@@ -23,7 +23,7 @@ WIRE_CHOICES = (None, "fp16", "bf16", "2bit")
 
 def build_pipeline(
     compressor: str | Compressor,
-    builtkwargs: dict[str, Any] | None,
+    compressor_kwargs: dict[str, Any] | None,
     density: float | None,
     wire_precision: str | None,
     memory: str,
@@ -32,12 +32,15 @@ def build_pipeline(
 ) -> tuple[Compressor, Memory]:
     """The compressor (wrapped for its wire precision) and a fresh memory, or a ``ValueError`` naming the first
     argument that does not fit the others (``aggregator`` is only checked: each front end builds its own)."""
+    for name, value in (("compressor_kwargs", compressor_kwargs), ("memory_kwargs", memory_kwargs)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{name} must be a dictionary of keyword arguments or None, got {value!r}")
     if wire_precision not in WIRE_CHOICES:
         raise ValueError(f"wire_precision must be one of {list(WIRE_CHOICES)}, got {wire_precision!r}")
-    builtargs = dict(builtkwargs or {})
+    compressor_args = dict(compressor_kwargs or {})
     if density is not None:
-        builtargs["density"] = density
-    built = build_compressor(compressor, **builtargs)
+        compressor_args["density"] = density
+    built = build_compressor(compressor, **compressor_args)
     if wire_precision == "2bit":
         if aggregator in ("allreduce", "gtopk"):
             raise ValueError(

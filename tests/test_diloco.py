@@ -259,6 +259,12 @@ def test_every_rank_starts_from_rank_zeros_weights_and_a_parameter_frozen_later_
     model[2].requires_grad_(False)
     with pytest.raises(RuntimeError, match=r"parameters \['2.bias', '2.weight'\] were frozen after OuterSync"):
         sync.step()
+    model = _model()
+    model[0].requires_grad_(False)
+    sync = OuterSync(model.named_parameters(), sync_every=1)
+    model[0].requires_grad_(True)  # gradual unfreezing: those would train apart on every rank, never averaged
+    with pytest.raises(RuntimeError, match=r"parameters \['0.bias', '0.weight'\] were unfrozen after OuterSync"):
+        sync.step()
 
 
 class Regression(pl.LightningModule):

@@ -34,9 +34,14 @@ H = 4
 SYNCS = 3
 
 
+#: Beyond the presets: DIANA's shifts on QSGD with the small parameters (biases, the output layer) averaged densely in
+#: the same synchronisation
+DIANA_MIXED = {"compressor": "qsgd", "memory": "diana", "min_compress_numel": 300, "outer_momentum": 0.5}
+
+
 def _preset(name: str) -> dict[str, Any]:
-    """A DiLoCo preset's arguments as :class:`OuterSync` takes them."""
-    arguments = dict(DILOCO_PRESETS[name][1])
+    """A DiLoCo preset's arguments (or :data:`DIANA_MIXED`'s) as :class:`OuterSync` takes them."""
+    arguments = dict(DIANA_MIXED if name == "diana-mixed" else DILOCO_PRESETS[name][1])
     outer = {key: arguments.pop(key) for key in ("outer_lr", "outer_momentum", "nesterov") if key in arguments}
     return {**outer, **arguments}
 
@@ -126,7 +131,7 @@ def _straight_and_restored(rank: int, world_size: int, preset: str) -> tuple[dic
     return _train(rank, world_size, preset), _train(rank, world_size, preset, stop_at=H + 2)
 
 
-@pytest.mark.parametrize("preset", ["ddp_diloco_topk", "ddp_diloco_qsgd"])
+@pytest.mark.parametrize("preset", ["ddp_diloco_topk", "ddp_diloco_qsgd", "diana-mixed"])
 def test_a_plain_loop_restored_between_synchronisations_ends_where_the_straight_one_does(preset: str) -> None:
     ranks = run_ranks(_straight_and_restored, 3, preset)
     for straight, restored in ranks:
@@ -369,3 +374,54 @@ def test_a_checkpoint_of_another_exchange_is_refused_by_name() -> None:
         strategy.read_diloco_shard("run.ckpt", 0, 2, saved)
     with pytest.raises(ValueError, match="holds the DiLoCo state of 2 ranks, but this run has 3"):
         strategy.read_diloco_shard("run.ckpt", 0, 3, saved)
+
+
+class Tunable(Regression):
+    """A learning rate for the tuner, a frozen parameter and a buffer, each drawn from the rank's own seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 1e-2
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.register_buffer("stat", torch.randn(2))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.net.parameters(), lr=self.lr)
+
+
+class AtTrainStart(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync = trainer.strategy.outer_sync
+        self.seen = {
+            "inner_steps": sync.inner_steps,
+            "anchor_is_weights": all(
+                torch.equal(sync.anchor[n], p) for n, p in pl_module.named_parameters() if p.requires_grad
+            ),
+            "state": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+        }
+
+
+def _tuned(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    torch.manual_seed(rank)  # every rank initialised apart: the strategy starts them all from rank 0's state
+    module = Tunable()
+    with torch.no_grad():
+        for p in module.net.parameters():
+            p.add_(rank)
+    start = AtTrainStart()
+    strategy = GradCompDiLoCoStrategy(**{**DILOCO_PRESETS["ddp_diloco_topk"][1], "sync_every": 3})
+    finder = LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=8, update_attr=False)
+    trainer = quiet_trainer(strategy, world_size, 4, [finder, start])
+    trainer.fit(module, DataLoader(_data(world_size), batch_size=16))
+    return start.seen
+
+
+def test_a_tuners_restore_inside_fit_puts_back_the_outer_state_and_every_rank_starts_from_rank_zeros_module() -> None:
+    """Catches: the learning-rate finder's sweep (7 inner steps, 2 synchronisations) left in theta_prev and the step
+    count after the tuner restored the weights and optimizer from its checkpoint."""
+    ranks = run_ranks(_tuned, 2, init=False)
+    for seen in ranks:
+        assert seen["inner_steps"] == 0 and seen["anchor_is_weights"]
+        for name, value in seen["state"].items():  # frozen parameters and buffers too, as DDP starts
+            assert torch.equal(value, ranks[0]["state"][name]), name

@@ -11,6 +11,7 @@ where it was. The per-inner-step records are ``strategy.outer_sync.history``.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy, _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -28,6 +30,13 @@ from lightning_gradcomp.diloco.presets import DILOCO_PRESETS
 from lightning_gradcomp.diloco.settings import DILOCO_KEY, DiLoCoSettings
 
 __all__ = ["GradCompDiLoCoFabricStrategy"]
+
+
+class _NothingToSkip(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: inner steps exchange nothing, so there is no gradient synchronisation to skip."""
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
 
 
 class GradCompDiLoCoFabricStrategy(DiLoCoSettings, DDPStrategy):
@@ -79,7 +88,7 @@ class GradCompDiLoCoFabricStrategy(DiLoCoSettings, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._backward_sync_control = None  # no wrapper whose gradient sync could be skipped: none happens
+        self._backward_sync_control = _NothingToSkip()
         self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
 

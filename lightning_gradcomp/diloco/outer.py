@@ -10,7 +10,8 @@ The order of the operations follows torchft's ``DiLoCo`` (``torchft.local_sgd``,
 bit for bit on two ranks: the pseudo-gradient in the parameters' dtype, summed over the ranks and divided by their
 number in place; the parameters put back to ``theta_prev``; the average set as their gradient; the outer step;
 the result kept as the next ``theta_prev``; the gradients dropped. Tensors of one dtype travel in one allreduce
-(torchft sends each parameter on its own; the sums are the same element by element).
+(torchft sends each parameter on its own; on two ranks the sums are the same element by element, on more gloo may
+add the ranks in another order).
 
 Given a ``compressor``, the pseudo-gradient is averaged through it instead, with a ``memory`` (error feedback,
 with SparseLoCo's decay; DIANA) and an aggregator (:class:`~lightning_gradcomp.diloco.exchange.PseudoGradientExchange`):
@@ -105,8 +106,9 @@ def check_exchange_arguments(
 class OuterSync:
     """DiLoCo's outer loop for ``parameters``: call :meth:`step` after each inner optimizer step.
 
-    Every rank starts from rank 0's weights (broadcast once here, as DDP does), so the ranks agree however they were
-    initialised. Without an initialised process group it runs alone (the average of one rank is its own).
+    Every rank starts from rank 0's trained parameters (broadcast once here; the strategies broadcast the whole
+    module, frozen parameters and buffers too, as DDP does), so the ranks agree however they were initialised.
+    Without an initialised process group it runs alone (the average of one rank is its own).
 
     Args:
         parameters: the model's ``(name, parameter)`` pairs (``named_parameters()``) on their devices; frozen ones
@@ -153,7 +155,9 @@ class OuterSync:
             min_compress_numel, seed,
         )  # fmt: skip
         self.sync_every = sync_every
-        self._parameters = [(name, p) for name, p in parameters if p.requires_grad]
+        named = list(parameters)
+        self._parameters = [(name, p) for name, p in named if p.requires_grad]
+        self._frozen = [(name, p) for name, p in named if not p.requires_grad]
         if not self._parameters:
             raise ValueError("parameters holds no trainable parameter: there is nothing to synchronise")
         #: counts the bytes of every synchronisation, over the whole run (each one's are in its step's record)
@@ -241,12 +245,19 @@ class OuterSync:
     @torch.no_grad()
     def synchronise(self, stats: StepStats | None = None) -> None:
         """Average the pseudo-gradients and take the outer step from ``theta_prev`` (every rank alike); ``stats``,
-        when given, counts what the compressed exchange compressed and how long it took."""
+        when given, counts what the compressed exchange compressed and how long it took. :meth:`step` calls it
+        every ``sync_every``-th inner step (and records it); the random streams follow that count."""
         changed = sorted(name for name, p in self._parameters if not p.requires_grad)
         if changed:
             raise RuntimeError(
                 f"parameters {changed} were frozen after OuterSync was built, and its outer momentum would still move "
                 "them; build a new OuterSync for the parameters trained now"
+            )
+        thawed = sorted(name for name, p in self._frozen if p.requires_grad)
+        if thawed:
+            raise RuntimeError(
+                f"parameters {thawed} were unfrozen after OuterSync was built and would train apart on every rank, "
+                "never averaged; build a new OuterSync for the parameters trained now"
             )
         for name, p in self._parameters:  # delta = theta_prev - theta_local, in the parameter's dtype
             torch.sub(self.anchor[name], p, out=self._deltas[name])

@@ -72,8 +72,12 @@ class DiLoCoSettings:
         self._saves = 0
 
     def build_outer_sync(self, module: nn.Module) -> OuterSync:
-        """The outer loop for ``module`` (every rank starts from rank 0's weights), and the run's tag shared from rank
-        0 (it marks this run's shards)."""
+        """The outer loop for ``module``, every rank starting from rank 0's module state (parameters, frozen ones
+        included, and buffers, as DDP starts), and the run's tag shared from rank 0 (it marks this run's shards)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            with torch.no_grad():
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    torch.distributed.broadcast(tensor.data, src=0)
         self.outer_sync = OuterSync(
             module.named_parameters(),
             self.sync_every,

@@ -141,11 +141,13 @@ class GradCompDiLoCoStrategy(DiLoCoSettings, DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
-        if self._pending is not None:  # this rank's own inner optimizer states, and its loss scaler's
+        if self._pending is not None:  # this rank's own inner optimizer states, its loss scaler's, its outer state
             for optimizer, state in zip(self.optimizers, self._pending["optimizers"], strict=True):
                 optimizer.load_state_dict(state)
             if self._pending["precision"]:
                 self.precision_plugin.load_state_dict(self._pending["precision"])
+            if self.outer_sync is not None:  # a restore inside fit (the tuners' checkpoint) comes after setup
+                self.outer_sync.load_state_dict(self._pending["outer"])
             self._pending = None
 
     @classmethod
