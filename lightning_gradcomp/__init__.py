@@ -30,6 +30,7 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.diloco import DILOCO_PRESETS, GradCompDiLoCoFabricStrategy, GradCompDiLoCoStrategy, OuterSync
 from lightning_gradcomp.fabric import GradCompFabricStrategy
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.hsdp import ReplicaExchange
 from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
 from lightning_gradcomp.presets import NAMED_STRATEGIES
 from lightning_gradcomp.stats import StepStats
@@ -74,6 +75,7 @@ __all__ = [
     "PowerSGDCompressor",
     "QSGDCompressor",
     "RandomKCompressor",
+    "ReplicaExchange",
     "ScaledSignCompressor",
     "StepStats",
     "TernGradCompressor",

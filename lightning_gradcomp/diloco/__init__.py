@@ -1,8 +1,7 @@
 """DiLoCo: local SGD with an outer optimizer, synchronising every ``H`` inner steps (a front end beside the DDP
-hook, over the same core: compressors, memories and aggregators for a compressed exchange,
+hook, over the same core: :class:`~lightning_gradcomp.exchange.CompressedAverage` for a compressed exchange,
 :mod:`lightning_gradcomp.comm` for its byte count, the per-rank shards of :mod:`lightning_gradcomp.checkpoint`)."""
 
-from lightning_gradcomp.diloco.exchange import PseudoGradientExchange
 from lightning_gradcomp.diloco.fabric import GradCompDiLoCoFabricStrategy
 from lightning_gradcomp.diloco.outer import OuterSync
 from lightning_gradcomp.diloco.presets import DILOCO_PRESETS
@@ -13,5 +12,4 @@ __all__ = [
     "GradCompDiLoCoFabricStrategy",
     "GradCompDiLoCoStrategy",
     "OuterSync",
-    "PseudoGradientExchange",
 ]

@@ -14,7 +14,7 @@ the result kept as the next ``theta_prev``; the gradients dropped. Tensors of on
 add the ranks in another order).
 
 Given a ``compressor``, the pseudo-gradient is averaged through it instead, with a ``memory`` (error feedback,
-with SparseLoCo's decay; DIANA) and an aggregator (:class:`~lightning_gradcomp.diloco.exchange.PseudoGradientExchange`):
+with SparseLoCo's decay; DIANA) and an aggregator (:class:`~lightning_gradcomp.exchange.CompressedAverage`):
 SparseLoCo (Sarfi et al., 2025, arXiv 2508.15706) is Top-k with 2-bit values under error feedback with decay, and
 a plain outer SGD step (no momentum) of lr 1. Every inner step leaves a :class:`~lightning_gradcomp.stats.StepStats`
 in :attr:`OuterSync.history`: no bytes between synchronisations, the synchronisation's counted bytes at its step,
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from lightning_gradcomp.comm import Aggregator, Collectives, CommCounter
 from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.diloco.exchange import PseudoGradientExchange
+from lightning_gradcomp.exchange import CompressedAverage, check_flat_compressor
 from lightning_gradcomp.memory import Memory, NoMemory
 from lightning_gradcomp.pipeline import build_pipeline
 from lightning_gradcomp.stats import StepStats
@@ -89,17 +89,7 @@ def check_exchange_arguments(
     name = aggregator if isinstance(aggregator, str) else aggregator.name
     built = build_pipeline(compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, name)
     codec = built[0]
-    needs = [what for what, flag in (("each parameter's own shape", codec.needs_layer_shape or codec.takes_shapes),
-                                     ("a warm start carried between steps", codec.warm_started),
-                                     ("a scale shared over the ranks", codec.shares_scale)) if flag]  # fmt: skip
-    if needs:
-        raise ValueError(
-            f"compressor={compressor!r}: {codec!r} needs {' and '.join(needs)}, which DiLoCo's exchange does not give "
-            "(it compresses each parameter's pseudo-gradient as a flat vector); use topk, randomk, dgc, gaussiank, "
-            "qsgd, quantizer, sign, or terngrad without share_scale"
-        )
-    if name == "gtopk" and not codec.sparse:
-        raise ValueError(f"aggregator='gtopk' merges sparse payloads, and {codec!r} is not sparse; use 'allgather'")
+    check_flat_compressor(codec, "DiLoCo's exchange", name)
     return built
 
 
@@ -176,9 +166,9 @@ class OuterSync:
         self.inner_steps = 0
         self._flats, self._deltas = self._flat_by_kind()
         #: the compressed exchange (``None``: dense, as torchft)
-        self.exchange: PseudoGradientExchange | None = None
+        self.exchange: CompressedAverage | None = None
         if built is not None:
-            self.exchange = PseudoGradientExchange(*built, aggregator, self.collectives, seed, min_compress_numel)
+            self.exchange = CompressedAverage(*built, aggregator, self.collectives, seed, min_compress_numel)
         #: this rank's state between synchronisations (error feedback's residuals, DIANA's shifts)
         self.memory: Memory = built[1] if built is not None else NoMemory()
         #: one record per inner step, the latest last

@@ -1,18 +1,19 @@
-"""The pseudo-gradient averaged through the library's compressor, memory and aggregator (DiLoCo's compressed
-synchronisation; SparseLoCo, Sarfi et al., 2025, arXiv 2508.15706, Algorithm 1, with error feedback).
+"""Flat tensors averaged over a group of ranks through the library's compressor, memory and aggregator, one unit per
+tensor: what DiLoCo's compressed synchronisation does with each parameter's pseudo-gradient (SparseLoCo, Sarfi et
+al., 2025, arXiv 2508.15706, Algorithm 1, with error feedback) and what compressed HSDP does with each FSDP unit's
+gradient shard between replicas. (The DDP hook, whose units arrive in DDP's buckets, has its own pipeline.)
 
-Each trained parameter is a unit of its own, as SparseLoCo compresses each tensor (in chunks) apart. At a
-synchronisation, for each parameter's pseudo-gradient ``delta`` (flat, in place):
+For each ``(name, x)`` (flat, in place):
 
-1. ``x = memory.compensate_(delta)`` (error feedback: ``delta + beta * e``; DIANA: ``delta - h_i``);
-2. ``payload = compressor.compress(x, generator)``, the generator seeded from (seed, rank, synchronisation, unit):
-   the same draws after any restart;
+1. ``memory.compensate_(name, x)`` (error feedback: ``x + beta * e``; DIANA: ``x - h_i``);
+2. ``payload = compressor.compress(x, generator)``, the generator seeded from (seed, rank, step, unit): the same
+   draws after any restart;
 3. every compressed payload travels in one aggregation (one collective, plus a size exchange where sizes vary;
-   parameters averaged densely take one allreduce each, as the DDP hook's dense units do);
+   tensors averaged densely take one allreduce each, as the DDP hook's dense units do);
 4. ``memory.settle_`` takes what of this rank's payload reached the average (``e = x - sent``), then the average is
-   written over ``delta`` (``memory.conclude_``: DIANA adds its ``h``).
+   written over ``x`` (``memory.conclude_``: DIANA adds its ``h``).
 
-Parameters with fewer than ``min_compress_numel`` elements are averaged densely in the same aggregation.
+Tensors with fewer than ``min_compress_numel`` elements are averaged densely in the same call.
 """
 
 from __future__ import annotations
@@ -30,20 +31,41 @@ from lightning_gradcomp.randomness import UnitStreams
 from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.units import unit_key
 
-__all__ = ["PseudoGradientExchange"]
+__all__ = ["CompressedAverage", "check_flat_compressor"]
 
 
-class PseudoGradientExchange:
-    """Averages pseudo-gradients over the ranks through ``compressor``, ``memory`` and ``aggregator``.
+def check_flat_compressor(compressor: Compressor, owner: str, aggregator: str) -> None:
+    """``ValueError`` unless ``compressor`` compresses a flat tensor on its own: no matrix shapes or warm start
+    (PowerSGD, ATOMO), no scale agreed over the ranks first (TernGrad's ``share_scale``), and sparse payloads for
+    ``aggregator="gtopk"``; ``owner`` says who asks."""
+    shaped = compressor.needs_layer_shape or compressor.takes_shapes
+    flags = (("each tensor's own shape", shaped), ("a warm start carried between steps", compressor.warm_started),
+             ("a scale shared over the ranks", compressor.shares_scale))  # fmt: skip
+    needs = [what for what, flag in flags if flag]
+    if needs:
+        raise ValueError(
+            f"compressor {compressor!r} needs {' and '.join(needs)}, which {owner} does not give (it compresses flat "
+            "tensors one by one); use topk, randomk, dgc, gaussiank, qsgd, quantizer, sign, or terngrad without "
+            "share_scale"
+        )
+    if aggregator == "gtopk" and not compressor.sparse:
+        raise ValueError(
+            f"aggregator='gtopk' merges sparse payloads, and {compressor!r} is not sparse; use 'allgather'"
+        )
+
+
+class CompressedAverage:
+    """Averages flat tensors over the ranks of ``collectives`` through ``compressor``, ``memory`` and ``aggregator``.
 
     Args:
-        compressor: compresses each parameter's (compensated) pseudo-gradient.
-        memory: this rank's state per parameter (error feedback, DIANA's shifts), part of the checkpoint.
+        compressor: compresses each (compensated) tensor; one that needs more than a flat tensor is refused
+            (:func:`check_flat_compressor`).
+        memory: this rank's state per tensor name (error feedback, DIANA's shifts), part of the checkpoint.
         aggregator: ``"allgather"``, ``"allreduce"``, ``"gtopk"``, ``"auto"`` (the compressor's choice) or an
             :class:`~lightning_gradcomp.comm.Aggregator`.
         collectives: the ranks' counted collectives; ``None`` alone (the average of one rank is its own payload).
         seed: base seed of the units' random streams (:mod:`lightning_gradcomp.randomness`).
-        min_compress_numel: parameters with fewer elements are averaged densely.
+        min_compress_numel: tensors with fewer elements are averaged densely.
     """
 
     def __init__(
@@ -66,12 +88,13 @@ class PseudoGradientExchange:
         self._keys: dict[str, int] = {}
 
     def compressed(self, numel: int) -> bool:
-        """Whether a parameter of ``numel`` elements is compressed (else averaged densely)."""
+        """Whether a tensor of ``numel`` elements is compressed (else averaged densely)."""
         return numel >= self.min_compress_numel
 
-    def average_(self, deltas: Sequence[tuple[str, Tensor]], synchronisation: int, stats: StepStats) -> None:
-        """Overwrite each ``(name, delta)`` (flat views) with the average over the ranks of its compressed form,
-        moving the memory on; ``stats`` counts what was compressed and the payloads' bytes."""
+    def average_(self, deltas: Sequence[tuple[str, Tensor]], step: int, stats: StepStats) -> None:
+        """Overwrite each ``(name, x)`` (flat views) with the average over the ranks of its compressed form, moving the
+        memory on; ``step`` seeds the random streams (every rank alike); ``stats`` counts what was compressed and the
+        payloads' bytes."""
         start = time.perf_counter()
         contributions = []
         for name, x in deltas:
@@ -82,7 +105,7 @@ class PseudoGradientExchange:
             key = self._keys.get(name)
             if key is None:
                 key = self._keys[name] = unit_key([name])
-            payload = self.compressor.compress(x, self.streams.generator(x.device, synchronisation, key))
+            payload = self.compressor.compress(x, self.streams.generator(x.device, step, key))
             contributions.append(Contribution(self.compressor, payload))
             stats.numel_compressed += x.numel()
             stats.payload_bytes += payload.nbytes

@@ -1,0 +1,123 @@
+"""Compressed HSDP on FSDP2: each FSDP unit's gradient shard averaged between replicas through the library's pipeline.
+
+With ``fully_shard(module, mesh=mesh["shard"])`` over the shard dimension of a (replicate, shard) device mesh, FSDP2
+reduce-scatters each unit's gradients inside the shard group and hands the hook set by
+``FSDPModule.set_all_reduce_hook`` the unit's flat, padded shard, averaged over the shard group; the hook must average
+it across the replicas in place (PyTorch's "custom HSDP"; torch 2.13, ``_fsdp_collectives.foreach_reduce``). Here
+that average goes through a compressor, a memory and an aggregator
+(:class:`~lightning_gradcomp.exchange.CompressedAverage`): the exchange between replicas, usually the slow link
+between nodes, is the traffic compressed; inside a node FSDP's own reduce-scatter stays dense. A shard's memory (an
+error-feedback residual) lives with the rank that owns the shard, keyed by the unit's name and the shard's index, and
+its random streams by (seed, replica, step, unit and shard).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_gradcomp.comm import Aggregator, Collectives, CommCounter
+from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.exchange import CompressedAverage, check_flat_compressor
+from lightning_gradcomp.pipeline import build_pipeline
+from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.validation import check_int
+
+__all__ = ["ReplicaExchange"]
+
+#: The name a unit that is the root module itself goes by.
+ROOT = "<root>"
+
+
+class ReplicaExchange:
+    """Install the compressed replica exchange on every FSDP unit of ``module`` (``fully_shard`` already applied over
+    ``mesh[shard_dim]``): the plain-torch entry point, as :func:`~lightning_gradcomp.make_hook` is for DDP.
+
+    Args:
+        module: the model, its units already ``fully_shard``-ed over the shard dimension of ``mesh``.
+        mesh: a 2-D device mesh, ``(replicate, shard)``.
+        compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, aggregator: the compression
+            pipeline, as :class:`~lightning_gradcomp.GradCompStrategy` takes it (compressors that need a tensor's own
+            shape, a warm start or a shared scale are refused: a shard is a flat slice of several parameters).
+        min_compress_numel: shards with fewer elements are averaged densely.
+        seed: base seed of the compressors' random streams.
+        replicate_dim, shard_dim: the mesh's dimension names.
+        history: how many records (one per unit and step) to keep.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        compressor: str | Compressor = "topk",
+        compressor_kwargs: dict[str, Any] | None = None,
+        density: float | None = None,
+        wire_precision: str | None = None,
+        memory: str = "ef",
+        memory_kwargs: dict[str, Any] | None = None,
+        aggregator: str | Aggregator = "auto",
+        min_compress_numel: int = 0,
+        seed: int = 0,
+        replicate_dim: str = "replicate",
+        shard_dim: str = "shard",
+        history: int = 1000,
+    ) -> None:
+        check_int("min_compress_numel", min_compress_numel, 0)
+        check_int("seed", seed, 0)
+        check_int("history", history, 1)
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim != 2 or replicate_dim not in names or shard_dim not in names:
+            raise ValueError(
+                f"mesh must be a 2-D device mesh with dimensions {replicate_dim!r} and {shard_dim!r} (replicate_dim, "
+                f"shard_dim), got {mesh.ndim} dimensions named {names}"
+            )
+        name = aggregator if isinstance(aggregator, str) else aggregator.name
+        codec, state = build_pipeline(
+            compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, name
+        )
+        check_flat_compressor(codec, "HSDP's replica exchange", name)
+        units = [(fqn or ROOT, unit) for fqn, unit in module.named_modules() if isinstance(unit, FSDPModule)]
+        if not units:
+            raise ValueError("module holds no FSDP unit: apply fully_shard(..., mesh=mesh[shard_dim]) first")
+        #: counts the bytes handed to collectives between replicas
+        self.counter = CommCounter()
+        collectives = Collectives(mesh.get_group(replicate_dim), self.counter)
+        self.average = CompressedAverage(codec, state, aggregator, collectives, seed, min_compress_numel)
+        self.memory = state
+        self.shard_index = mesh[shard_dim].get_local_rank()
+        self._device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        #: one record per unit and step, the latest last
+        self.history: deque[StepStats] = deque(maxlen=history)
+        self._steps: dict[str, int] = {}
+        for fqn, unit in units:
+            unit.set_all_reduce_hook(partial(self._exchange, f"{fqn}#shard{self.shard_index}"))
+
+    def _exchange(self, name: str, shard: Tensor) -> None:
+        """FSDP's hook for one unit: average its flat shard between the replicas, in place."""
+        step = self._steps[name] = self._steps.get(name, -1) + 1
+        stats = StepStats(step=step, numel=shard.numel(), dense_bytes=shard.numel() * shard.element_size())
+        sent, received, calls = self.counter.bytes_sent, self.counter.bytes_received, self.counter.calls
+        self.average.average_([(name, shard.view(-1))], step, stats)
+        stats.compressed = self.average.compressed(shard.numel())
+        stats.bytes_sent = self.counter.bytes_sent - sent
+        stats.bytes_received = self.counter.bytes_received - received
+        stats.collectives = self.counter.calls - calls
+        self.history.append(stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: each unit's step count (its random streams follow it) and the memory of its shard."""
+        return {
+            "steps": dict(self._steps),
+            "memory": {name: t.detach().to("cpu", copy=True) for name, t in self.memory.state_dict().items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (this rank's own)."""
+        self._steps = {str(name): int(step) for name, step in state["steps"].items()}
+        self.memory.load_state_dict({name: t.to(self._device) for name, t in state["memory"].items()})
