@@ -129,23 +129,30 @@ def _refusals(rank: int, world_size: int) -> list[str]:
             ReplicaExchange(model, mesh, **arguments)
         except ValueError as error:
             messages.append(str(error))
-    for bad_mesh, bad_model in ((mesh["shard"], model), (mesh, _model())):
+    for bad_mesh, bad_model in ((mesh["shard"], model), (mesh, _model()), (mesh, _sharded(mesh, native=True))):
         try:
             ReplicaExchange(bad_model, bad_mesh)
         except ValueError as error:
             messages.append(str(error))
+    exchange = ReplicaExchange(model, mesh)
+    try:
+        exchange.load_state_dict({"steps": {"_orig_mod.0#shard0": 1}, "memory": {}})
+    except ValueError as error:
+        messages.append(str(error))
     dist.barrier()
     return messages
 
 
 def test_bad_arguments_are_value_errors_naming_them() -> None:
     messages = run_ranks(_refusals, 4)[0]
-    assert len(messages) == 5
+    assert len(messages) == 7
     assert "needs each tensor's own shape and a warm start" in messages[0]
     assert "aggregator='gtopk' merges sparse payloads" in messages[1]
     assert "memory='diana' needs a compressor that is unbiased" in messages[2]
     assert "mesh must be a 2-D device mesh with dimensions 'replicate' and 'shard'" in messages[3]
     assert "module holds no FSDP unit" in messages[4]
+    assert "were sharded over the 2-D mesh (FSDP2's own HSDP" in messages[5]
+    assert "the saved replica exchange has units ['_orig_mod.0#shard0'], which this model lacks" in messages[6]
 
 
 @pytest.mark.parametrize("history", [0])

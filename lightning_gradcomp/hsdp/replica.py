@@ -9,6 +9,13 @@ that average goes through a compressor, a memory and an aggregator
 between nodes, is the traffic compressed; inside a node FSDP's own reduce-scatter stays dense. A shard's memory (an
 error-feedback residual) lives with the rank that owns the shard, keyed by the unit's name and the shard's index, and
 its random streams by (seed, replica, step, unit and shard).
+
+What FSDP2 hands the hook sets three rules: gradient accumulation skips the reduce-scatter with
+``set_requires_gradient_sync(False)`` on the micro-batches (``set_requires_all_reduce(False)`` does not stop a hook:
+every micro-batch would be exchanged); the shard comes in the reduce dtype, so keep ``reduce_dtype=torch.float32`` in
+a mixed-precision policy for the memory's residual to hold small values; and a parameter without a gradient at some
+step shortens its unit's shard, which the memory refuses, so a model with parameters that sit out needs
+``set_reduce_scatter_unused_params(True)``.
 """
 
 from __future__ import annotations
@@ -85,13 +92,20 @@ class ReplicaExchange:
         units = [(fqn or ROOT, unit) for fqn, unit in module.named_modules() if isinstance(unit, FSDPModule)]
         if not units:
             raise ValueError("module holds no FSDP unit: apply fully_shard(..., mesh=mesh[shard_dim]) first")
+        native = [fqn for fqn, unit in units if any(g._is_hsdp for g in unit._get_fsdp_state()._fsdp_param_groups)]
+        if native:
+            raise ValueError(
+                f"FSDP units {native} were sharded over the 2-D mesh (FSDP2's own HSDP, which averages between "
+                f"replicas before the hook): shard them with fully_shard(..., mesh=mesh[{shard_dim!r}])"
+            )
         #: counts the bytes handed to collectives between replicas
         self.counter = CommCounter()
         collectives = Collectives(mesh.get_group(replicate_dim), self.counter)
         self.average = CompressedAverage(codec, state, aggregator, collectives, seed, min_compress_numel)
         self.memory = state
         self.shard_index = mesh[shard_dim].get_local_rank()
-        self._device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self._names = {f"{fqn}#shard{self.shard_index}" for fqn, _ in units}
+        self._restored: dict[str, Tensor] | None = None  # loaded memory, put on the shards' device at the first hook
         #: one record per unit and step, the latest last
         self.history: deque[StepStats] = deque(maxlen=history)
         self._steps: dict[str, int] = {}
@@ -100,6 +114,11 @@ class ReplicaExchange:
 
     def _exchange(self, name: str, shard: Tensor) -> None:
         """FSDP's hook for one unit: average its flat shard between the replicas, in place."""
+        if shard.is_cuda:  # the hook runs on FSDP's side stream; the buffer was allocated on the reduce-scatter one
+            shard.record_stream(torch.cuda.current_stream(shard.device))
+        if self._restored is not None:
+            self.memory.load_state_dict({key: t.to(shard.device) for key, t in self._restored.items()})
+            self._restored = None
         step = self._steps[name] = self._steps.get(name, -1) + 1
         stats = StepStats(step=step, numel=shard.numel(), dense_bytes=shard.numel() * shard.element_size())
         sent, received, calls = self.counter.bytes_sent, self.counter.bytes_received, self.counter.calls
@@ -112,12 +131,19 @@ class ReplicaExchange:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: each unit's step count (its random streams follow it) and the memory of its shard."""
+        memory = self._restored if self._restored is not None else self.memory.state_dict()
         return {
             "steps": dict(self._steps),
-            "memory": {name: t.detach().to("cpu", copy=True) for name, t in self.memory.state_dict().items()},
+            "memory": {name: t.detach().to("cpu", copy=True) for name, t in memory.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (this rank's own)."""
+        """Restore :meth:`state_dict`'s output (this rank's own); the memory goes to the shards' device at the first
+        exchange. A unit this model does not have is refused by name (a model wrapped otherwise would lose it)."""
+        unknown = sorted(set(state["steps"]) - self._names)
+        if unknown:
+            raise ValueError(
+                f"the saved replica exchange has units {unknown}, which this model lacks: {sorted(self._names)}"
+            )
         self._steps = {str(name): int(step) for name, step in state["steps"].items()}
-        self.memory.load_state_dict({name: t.to(self._device) for name, t in state["memory"].items()})
+        self._restored = dict(state["memory"])
