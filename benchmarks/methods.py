@@ -114,13 +114,13 @@ def check_methods(methods: list[str]) -> None:
     """Raise ``SystemExit`` naming the methods that are neither PyTorch's, named strategies, variants nor DiLoCo's."""
     unknown = []
     for method in methods:
-        if method not in TORCH_METHODS and not is_local_sgd(method):
+        if method not in TORCH_METHODS and not is_local_sgd(method) and method not in HSDP_METHODS:
             try:
                 strategy_arguments(method)
             except KeyError:
                 unknown.append(method)
     if unknown:
-        known = [*TORCH_METHODS, *OURS, *VARIANTS, *LOCAL_SGD, *LOCAL_SGD_VARIANTS]
+        known = [*TORCH_METHODS, *OURS, *VARIANTS, *LOCAL_SGD, *LOCAL_SGD_VARIANTS, *HSDP_METHODS]
         raise SystemExit(f"unknown methods {unknown}; choose from {known}")
 
 
@@ -303,3 +303,30 @@ def _torchft_diloco(model, optimizer, sync_every: int, outer_lr: float, outer_mo
         undo.close()  # in reverse: the hooks, the manager, the process group, the store, the patch, the lighthouse
 
     return close
+
+
+# ---------------------------------------------------------------- HSDP on FSDP2: FSDP2's own, and ours compressed
+
+#: ``hsdp``: FSDP2's own HSDP (a 2-D mesh, dense all-reduce between replicas); ``hsdp_topk``: the exchange between
+#: replicas through ``ReplicaExchange`` (Top-k of 1% with error feedback, gathered).
+HSDP_METHODS = ("hsdp", "hsdp_topk")
+
+
+def hsdp_model(method: str, model, replicas: int, shards: int):
+    """``model`` sharded inside each node and replicated across nodes (every Linear and Conv2d a unit, then the root):
+    with FSDP2's own HSDP, or over the shard dimension with the compressed replica exchange. Returns the model and the
+    exchange (``None`` for FSDP2's own)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gradcomp import ReplicaExchange
+
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    on = mesh if method == "hsdp" else mesh["shard"]
+    for unit in [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]:
+        fully_shard(unit, mesh=on)
+    fully_shard(model, mesh=on)
+    if method == "hsdp":
+        return model, None
+    return model, ReplicaExchange(model, mesh, compressor="topk", density=0.01, memory="ef", aggregator="allgather")

@@ -29,6 +29,10 @@ rank gets its node's ``GROUP_RANK`` and ``LOCAL_RANK`` as under ``torchrun --nno
 
     sudo python benchmarks/network.py --nodes 2 --ranks-per-node 2 --rate 100mbit \
         --methods dense,ddp_topk,ddp_topk:node --json results/network_nodes.json
+
+With ``--nodes``, ``hsdp`` and ``hsdp_topk`` shard the model over a node's ranks with FSDP2 and replicate it across
+nodes: FSDP2's own HSDP, and the replica exchange compressed by :class:`~lightning_gradcomp.ReplicaExchange`. DiLoCo's
+methods (``ddp_diloco*``, ``torchft_diloco``) are timed over whole rounds of ``--sync-every`` steps.
 """
 
 from __future__ import annotations
@@ -49,7 +53,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from methods import AFTER_WARMUPS, DEFAULT_METHODS, LocalSGD, attach, check_methods, is_local_sgd
+from methods import (
+    AFTER_WARMUPS,
+    DEFAULT_METHODS,
+    HSDP_METHODS,
+    LocalSGD,
+    attach,
+    check_methods,
+    hsdp_model,
+    is_local_sgd,
+)
 from workloads import MODELS, build_model, loss, random_batch
 
 SUBNET = "10.213.0"
@@ -110,6 +123,9 @@ def worker(args: argparse.Namespace) -> None:
         model = build_model(args.model, args.width)
         if is_local_sgd(method):
             results.append(_local_sgd_steps(method, model, batches, args, rank, world))
+            continue
+        if method in HSDP_METHODS:
+            results.append(_hsdp_steps(method, model, batches, args, rank, world))
             continue
         ddp = DistributedDataParallel(model)
         try:
@@ -217,6 +233,42 @@ def _local_sgd_steps(method: str, model, batches, args: argparse.Namespace, rank
                   seconds_per_step=elapsed / timed_steps, bytes_sent_per_step=mean("bytes_sent"),
                   dense_bytes_per_step=mean("dense_bytes"), bytes_received_per_step=mean("bytes_received"),
                   link_bytes_per_step=float(tx) / timed_steps, note=f"DiLoCo, H={h}")  # fmt: skip
+
+
+def _hsdp_steps(method: str, model, batches, args: argparse.Namespace, rank: int, world: int) -> Result:
+    """HSDP's step, each node a replica of the model sharded over its ranks (``--nodes``): FSDP2's own (dense between
+    replicas) or the compressed replica exchange; ``--warmup`` untimed steps, then ``--steps`` timed."""
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    model, exchange = hsdp_model(method, model, world // local, local)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def run(first: int, count: int) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for step in range(first, first + count):
+            x, y = batches[step % len(batches)]
+            optimizer.zero_grad()
+            loss(args.model, model(x), y).backward()
+            optimizer.step()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    run(0, args.warmup)
+    tx_before = _link_tx_bytes()
+    elapsed = run(args.warmup, args.steps)
+    tx = torch.tensor([float(_link_tx_bytes() - tx_before) if int(os.environ["LOCAL_RANK"]) == 0 else 0.0])
+    dist.all_reduce(tx)
+    if rank == 0:
+        print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
+    timed = [s for s in exchange.history if s.step >= args.warmup] if exchange is not None else []  # every unit's
+    sent = sum(s.bytes_sent for s in timed) / args.steps if timed else None
+    dense = sum(s.dense_bytes for s in timed) / args.steps if timed else None
+    return Result(method, images_per_s=world * args.batch * args.steps / elapsed, seconds_per_step=elapsed / args.steps,
+                  bytes_sent_per_step=sent, dense_bytes_per_step=dense, link_bytes_per_step=float(tx) / args.steps,
+                  note="HSDP: a replica per node, sharded over its ranks")  # fmt: skip
 
 
 def single_process_throughput(args: argparse.Namespace) -> float:

@@ -112,6 +112,11 @@ class ReplicaExchange:
         for fqn, unit in units:
             unit.set_all_reduce_hook(partial(self._exchange, f"{fqn}#shard{self.shard_index}"))
 
+    @property
+    def units(self) -> list[str]:
+        """The names this rank's units go by (``<module name>#shard<index>``; the root module is ``<root>``)."""
+        return sorted(self._names)
+
     def _exchange(self, name: str, shard: Tensor) -> None:
         """FSDP's hook for one unit: average its flat shard between the replicas, in place."""
         if shard.is_cuda:  # the hook runs on FSDP's side stream; the buffer was allocated on the reduce-scatter one
