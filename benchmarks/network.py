@@ -105,6 +105,35 @@ def _link_tx_bytes() -> int:
     return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
 
 
+def _timed_steps(model, optimizer, batches, args: argparse.Namespace, first: int, count: int, after=None) -> float:
+    """Seconds ``count`` training steps take on every rank, from batch ``first`` on (cycling); ``after`` runs after
+    each optimizer step (DiLoCo's outer loop)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(first, first + count):
+        x, y = batches[step % len(batches)]
+        optimizer.zero_grad()
+        loss(args.model, model(x), y).backward()
+        optimizer.step()
+        if after is not None:
+            after()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _link_bytes_since(before: int) -> float:
+    """Bytes every node's link transmitted since this rank read ``before``, summed over nodes (each node's counted
+    once, at its local rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    tx = torch.tensor([float(_link_tx_bytes() - before) if int(os.environ["LOCAL_RANK"]) == 0 else 0.0])
+    dist.all_reduce(tx)
+    return float(tx)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank: train every method for ``--steps`` timed steps; rank 0 writes the results."""
     import torch
@@ -136,16 +165,7 @@ def worker(args: argparse.Namespace) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
         def run(first: int, count: int, ddp=ddp, optimizer=optimizer) -> float:
-            """Seconds ``count`` steps take on every rank, from batch ``first`` on (cycling)."""
-            dist.barrier()
-            start = time.perf_counter()
-            for step in range(first, first + count):
-                x, y = batches[step % len(batches)]
-                optimizer.zero_grad()
-                loss(args.model, ddp(x), y).backward()
-                optimizer.step()
-            dist.barrier()
-            return time.perf_counter() - start
+            return _timed_steps(ddp, optimizer, batches, args, first, count)
 
         # dense steps and a density warm-up are timed on their own, then the steady state
         schedule = hook.schedule if hook is not None else None
@@ -164,9 +184,7 @@ def worker(args: argparse.Namespace) -> None:
             run(early + untimed, args.warmup)
         tx_before = _link_tx_bytes()
         elapsed = run(early + untimed, args.steps)
-        # every rank of a node reads the same link: count each node's once, at its local rank 0
-        tx = torch.tensor([float(_link_tx_bytes() - tx_before) if int(os.environ["LOCAL_RANK"]) == 0 else 0.0])
-        dist.all_reduce(tx)
+        tx = _link_bytes_since(tx_before)
         if rank == 0:
             print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
         timed = [s for s in hook.history if not s.warmup][-args.steps :] if hook is not None else []
@@ -198,31 +216,17 @@ def _local_sgd_steps(method: str, model, batches, args: argparse.Namespace, rank
     synchronisation: torchft's first quorum configures its process group), then whole rounds of ``H`` steps timed,
     at least ``--steps`` of them."""
     import torch
-    import torch.distributed as dist
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     local = LocalSGD(method, model, optimizer, args.sync_every)
     h = args.sync_every
     timed_steps = h * math.ceil(args.steps / h)
 
-    def run(first: int, count: int) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for step in range(first, first + count):
-            x, y = batches[step % len(batches)]
-            optimizer.zero_grad()
-            loss(args.model, model(x), y).backward()
-            optimizer.step()
-            local.step()
-        dist.barrier()
-        return time.perf_counter() - start
-
     try:
-        run(0, h)
+        _timed_steps(model, optimizer, batches, args, 0, h, local.step)
         tx_before = _link_tx_bytes()
-        elapsed = run(h, timed_steps)
-        tx = torch.tensor([float(_link_tx_bytes() - tx_before) if int(os.environ["LOCAL_RANK"]) == 0 else 0.0])
-        dist.all_reduce(tx)
+        elapsed = _timed_steps(model, optimizer, batches, args, h, timed_steps, local.step)
+        tx = _link_bytes_since(tx_before)
     finally:
         local.close()
     if rank == 0:
@@ -239,28 +243,15 @@ def _hsdp_steps(method: str, model, batches, args: argparse.Namespace, rank: int
     """HSDP's step, each node a replica of the model sharded over its ranks (``--nodes``): FSDP2's own (dense between
     replicas) or the compressed replica exchange; ``--warmup`` untimed steps, then ``--steps`` timed."""
     import torch
-    import torch.distributed as dist
 
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     model, exchange = hsdp_model(method, model, world // local, local)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    def run(first: int, count: int) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for step in range(first, first + count):
-            x, y = batches[step % len(batches)]
-            optimizer.zero_grad()
-            loss(args.model, model(x), y).backward()
-            optimizer.step()
-        dist.barrier()
-        return time.perf_counter() - start
-
-    run(0, args.warmup)
+    _timed_steps(model, optimizer, batches, args, 0, args.warmup)
     tx_before = _link_tx_bytes()
-    elapsed = run(args.warmup, args.steps)
-    tx = torch.tensor([float(_link_tx_bytes() - tx_before) if int(os.environ["LOCAL_RANK"]) == 0 else 0.0])
-    dist.all_reduce(tx)
+    elapsed = _timed_steps(model, optimizer, batches, args, args.warmup, args.steps)
+    tx = _link_bytes_since(tx_before)
     if rank == 0:
         print(f"{method}: {elapsed / args.steps:.3f} s/step", file=sys.stderr, flush=True)
     timed = [s for s in exchange.history if s.step >= args.warmup] if exchange is not None else []  # every unit's
