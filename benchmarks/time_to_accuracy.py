@@ -132,16 +132,18 @@ def _parameter_groups(model, hook, momentum: float) -> list[dict]:
 
 
 def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int, world: int) -> dict:
+    """One run of ``method``: DDP with its hook, or DiLoCo (``methods.LOCAL_SGD``: no DDP, each rank's own share of the
+    step's global batch with the same optimizer as its inner one, synchronising every ``--sync-every`` steps; evaluated
+    right after a synchronisation, ``--eval-every`` being a multiple of it, where every rank holds the same weights)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     (train_x, train_y), val = data
     torch.manual_seed(seed)
     model = build_model(args.model)
-    if is_local_sgd(method):
-        return _train_local_sgd(method, seed, args, data, rank, world, model)
-    ddp = DistributedDataParallel(model)
-    hook = attach(method, ddp, model, seed=seed, steps=args.steps)
+    local_sgd = is_local_sgd(method)
+    forward = model if local_sgd else DistributedDataParallel(model)
+    hook = None if local_sgd else attach(method, forward, model, seed=seed, steps=args.steps)
     if args.model == "lm":  # a Transformer: AdamW, as such models are trained
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     else:
@@ -149,60 +151,32 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     # linear learning-rate warm-up (Goyal et al., 2017, Sec. 2.2): 0 -> lr over the first --lr-warmup steps
     warmup = max(args.lr_warmup, 0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0)
-    curve, start = [], time.perf_counter()
-    for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
-        mine = indices[rank * args.batch : (rank + 1) * args.batch]
-        optimizer.zero_grad()
-        workloads.loss(args.model, ddp(train_x[mine]), train_y[mine]).backward()
-        optimizer.step()
-        schedule.step()
-        if step % args.eval_every == 0 or step == args.steps:
-            curve.append((step, _validate(model, args.model, val, rank, world)))
-    compressed = [s for s in hook.history if not s.warmup] if hook is not None else []
-    return {
-        "curve": curve,
-        "phases": phases(hook.history) if hook is not None else None,
-        "final": curve[-1][1],
-        "seconds": time.perf_counter() - start,
-        "bytes_sent_per_step": statistics.mean(s.bytes_sent for s in compressed) if compressed else None,
-        "dense_bytes_per_step": statistics.mean(s.dense_bytes for s in compressed) if compressed else None,
-    }
-
-
-def _train_local_sgd(method: str, seed: int, args: argparse.Namespace, data, rank: int, world: int, model) -> dict:
-    """DiLoCo (``methods.LOCAL_SGD``): each rank takes its own share of the step's global batch with the same inner
-    optimizer as DDP (SGD with momentum, the same learning rate and warm-up), synchronising every ``--sync-every``
-    steps; evaluated right after a synchronisation (``--eval-every`` a multiple of it), where every rank holds the
-    synchronised weights."""
-    import torch
-
-    (train_x, train_y), val = data
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    warmup = max(args.lr_warmup, 0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0)
-    local = LocalSGD(method, model, optimizer, args.sync_every, seed)
+    local = LocalSGD(method, model, optimizer, args.sync_every, seed) if local_sgd else None
     curve, start = [], time.perf_counter()
     try:
         for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
             mine = indices[rank * args.batch : (rank + 1) * args.batch]
             optimizer.zero_grad()
-            workloads.loss(args.model, model(train_x[mine]), train_y[mine]).backward()
+            workloads.loss(args.model, forward(train_x[mine]), train_y[mine]).backward()
             optimizer.step()
-            local.step()
+            if local is not None:
+                local.step()
             schedule.step()
             if step % args.eval_every == 0 or step == args.steps:
                 curve.append((step, _validate(model, args.model, val, rank, world)))
     finally:
-        local.close()
-    history = list(local.history)
+        if local is not None:
+            local.close()
+    history = list(hook.history if hook is not None else local.history if local is not None else [])
+    compressed = [s for s in history if not s.warmup]  # DiLoCo: every inner step, its synchronisations' bytes spread
     return {
         "curve": curve,
-        "phases": None,
+        "phases": phases(history) if hook is not None else None,
         "final": curve[-1][1],
         "seconds": time.perf_counter() - start,
-        "sync_every": args.sync_every,
-        "bytes_sent_per_step": statistics.mean(s.bytes_sent for s in history) if history else None,
-        "dense_bytes_per_step": statistics.mean(s.dense_bytes for s in history) if history else None,
+        **({"sync_every": args.sync_every} if local_sgd else {}),
+        "bytes_sent_per_step": statistics.mean(s.bytes_sent for s in compressed) if compressed else None,
+        "dense_bytes_per_step": statistics.mean(s.dense_bytes for s in compressed) if compressed else None,
     }
 
 

@@ -500,10 +500,7 @@ class GradCompHook:
 
     def _finish_step(self, stats: StepStats) -> None:
         self.arrivals.end_step()
-        stats.bytes_sent = self.counter.bytes_sent
-        stats.bytes_received = self.counter.bytes_received
-        stats.collectives = self.counter.calls
-        stats.bytes_sent_by_dtype = dict(self.counter.sent_by_dtype)
+        stats.take_counts(self.counter)
         if self.topology.intra_counter is not None:
             stats.bytes_sent_intra_node = self.topology.intra_counter.bytes_sent
             stats.bytes_received_intra_node = self.topology.intra_counter.bytes_received

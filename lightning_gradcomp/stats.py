@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from lightning_gradcomp.comm.counter import CommCounter
 from lightning_gradcomp.schedule import Regime
 
 __all__ = ["Capture", "LayerStats", "StepStats", "bytes_per_compressed_step"]
@@ -63,6 +64,11 @@ class StepStats:
     selected: int = 0
     layers: dict[str, LayerStats] = field(default_factory=dict)
     captures: dict[str, Capture] = field(default_factory=dict)
+
+    def take_counts(self, counter: CommCounter) -> None:
+        """The step's collectives as ``counter`` counted them: bytes sent and received, calls, bytes by dtype."""
+        self.bytes_sent, self.bytes_received = counter.bytes_sent, counter.bytes_received
+        self.collectives, self.bytes_sent_by_dtype = counter.calls, dict(counter.sent_by_dtype)
 
     @property
     def warmup(self) -> bool:

@@ -30,6 +30,17 @@ class CommCounter:
         if sent:
             self.sent_by_dtype[dtype] = self.sent_by_dtype.get(dtype, 0) + sent
 
+    def copy(self) -> CommCounter:
+        """The counts as they stand now."""
+        return CommCounter(self.bytes_sent, self.bytes_received, self.calls, self.seconds, dict(self.sent_by_dtype))
+
+    def since(self, earlier: CommCounter) -> CommCounter:
+        """What was counted after ``earlier`` (a :meth:`copy` of this counter)."""
+        by_dtype = {d: n - earlier.sent_by_dtype.get(d, 0) for d, n in self.sent_by_dtype.items()}
+        return CommCounter(self.bytes_sent - earlier.bytes_sent, self.bytes_received - earlier.bytes_received,
+                           self.calls - earlier.calls, self.seconds - earlier.seconds,
+                           {d: n for d, n in by_dtype.items() if n})  # fmt: skip
+
     def reset(self) -> None:
         """Zero every count (the hook does this at the start of each step)."""
         self.bytes_sent = self.bytes_received = self.calls = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -95,7 +96,12 @@ class TwoBitPayload(Payload):
         return twobit_nbytes(self.numel, self.k, self.block_size)
 
     def values(self) -> Tensor:
-        """The decoded values, in index order and the tensor's dtype."""
+        """The decoded values, in index order and the tensor's dtype (decoded once: the aggregator reads them for the
+        finiteness check, the memory and the sum)."""
+        return self._decoded
+
+    @cached_property
+    def _decoded(self) -> Tensor:
         return _decode(self.codes, self.levels, self.block_size, self.dtype)
 
     def entries(self) -> SparseEntries:

@@ -208,28 +208,15 @@ class OuterSync:
         self.history.append(stats)
         if self.inner_steps % self.sync_every:
             return False
-        counter = self.counter
-        before = (
-            counter.bytes_sent,
-            counter.bytes_received,
-            counter.calls,
-            counter.seconds,
-            dict(counter.sent_by_dtype),
-        )
+        before = self.counter.copy()  # the counter runs on over the whole run: this synchronisation's is the rest
         self.synchronise(stats)
         self._synchronisations += 1
         stats.synchronised = True
         stats.compressed = self.exchange is not None
-        stats.bytes_sent = counter.bytes_sent - before[0]  # the counter runs on over the whole run
-        stats.bytes_received = counter.bytes_received - before[1]
-        stats.collectives = counter.calls - before[2]
-        stats.bytes_sent_by_dtype = {
-            dtype: sent - before[4].get(dtype, 0)
-            for dtype, sent in counter.sent_by_dtype.items()
-            if sent > before[4].get(dtype, 0)
-        }
+        counted = self.counter.since(before)
+        stats.take_counts(counted)
         if self.exchange is None:
-            stats.seconds_communicate = counter.seconds - before[3]
+            stats.seconds_communicate = counted.seconds
         return True
 
     @torch.no_grad()

@@ -126,12 +126,10 @@ class ReplicaExchange:
             self._restored = None
         step = self._steps[name] = self._steps.get(name, -1) + 1
         stats = StepStats(step=step, numel=shard.numel(), dense_bytes=shard.numel() * shard.element_size())
-        sent, received, calls = self.counter.bytes_sent, self.counter.bytes_received, self.counter.calls
+        before = self.counter.copy()
         self.average.average_([(name, shard.view(-1))], step, stats)
         stats.compressed = self.average.compressed(shard.numel())
-        stats.bytes_sent = self.counter.bytes_sent - sent
-        stats.bytes_received = self.counter.bytes_received - received
-        stats.collectives = self.counter.calls - calls
+        stats.take_counts(self.counter.since(before))
         self.history.append(stats)
 
     def state_dict(self) -> dict[str, Any]:
