@@ -314,13 +314,13 @@ HSDP_METHODS = ("hsdp", "hsdp_topk")
 
 def hsdp_model(method: str, model, replicas: int, shards: int):
     """``model`` sharded inside each node and replicated across nodes (every Linear and Conv2d a unit, then the root):
-    with FSDP2's own HSDP, or over the shard dimension with the compressed replica exchange. Returns the model and the
-    exchange (``None`` for FSDP2's own)."""
+    with FSDP2's own HSDP, or over the shard dimension with the compressed replica exchange (the ``hsdp_topk``
+    preset). Returns the model and the exchange (``None`` for FSDP2's own)."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_gradcomp import ReplicaExchange
+    from lightning_gradcomp import HSDP_PRESETS, ReplicaExchange
 
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     on = mesh if method == "hsdp" else mesh["shard"]
@@ -329,4 +329,4 @@ def hsdp_model(method: str, model, replicas: int, shards: int):
     fully_shard(model, mesh=on)
     if method == "hsdp":
         return model, None
-    return model, ReplicaExchange(model, mesh, compressor="topk", density=0.01, memory="ef", aggregator="allgather")
+    return model, ReplicaExchange(model, mesh, **HSDP_PRESETS["hsdp_topk"][1])

@@ -33,6 +33,14 @@ A step costs its computation plus its exchange, in the alpha-beta (Hockney) mode
 exchange (link, loopback, and the synchronisation's own computation: compressing, decoding, the outer step, timed
 in a world of one by ``measure-diloco``) is divided by ``H``; its inner steps cost the forward/backward alone.
 
+**HSDP** (``hsdp``: FSDP2's own; ``hsdp_topk``: ``ReplicaExchange`` with the ``ddp_topk`` preset's measured codec
+costs and bytes per element) shards each unit over a node's ``L`` ranks: inside the node FSDP2 all-gathers every
+unit's parameters before its forward and again before its backward and reduce-scatters its gradients, ``3 (L - 1) / L
+* 4d`` bytes in ``(L - 1)`` messages per unit and collective; between the nodes each rank exchanges its shard of
+``d / L`` with its ``N - 1`` replicas, one collective per unit, the node's ``L`` rings side by side through its link
+(dense: ``2 (N - 1) / N * 4d`` bytes a link; Top-k: ``(N - 1)`` payloads of the whole model's ``d``); the Top-k
+shard costs ``1 / L`` of the model's compression and decoding.
+
 The model counts no overlap of the exchange with the backward pass, no congestion beyond a node's link,
 and rings only (NCCL switches to trees at scale, which shortens dense allreduce's ``2 (P - 1)`` latency
 terms); ``validate`` shows how far it is from this machine's measured steps.
@@ -60,6 +68,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +80,14 @@ METHODS = ("dense", "ddp_fp16", "ddp_topk", "ddp_gtopk", "ddp_terngrad")
 HIERARCHICAL = ("ddp_gradcomp_dense:node", "ddp_topk:node", "ddp_gtopk:node", "ddp_terngrad:node")
 #: DiLoCo's presets, predicted at each ``--sync-every`` (``ddp_diloco_topk:H100``)
 DILOCO = ("ddp_diloco", "ddp_diloco_topk", "ddp_diloco_qsgd")
+#: HSDP's methods (``network.py``'s names): FSDP2's own, and the replica exchange with Top-k
+HSDP = ("hsdp", "hsdp_topk")
+#: the measured method whose codec costs ``hsdp_topk`` takes (a Top-k with error feedback); its bytes per element are
+#: its own preset's payload's (:func:`hsdp_payload_bytes_per_element`)
+HSDP_CODEC = "ddp_topk"
+#: FSDP units of the measured MLPs as ``network.py`` shards them: their three Linear layers (the root holds none);
+#: ``predict --hsdp-units`` sets the predicted model's
+HSDP_UNITS = 3
 #: ``(label, model, width)`` of the sizes ``measure`` times: the validation runs' models, then larger MLPs
 SIZES = (("mlp-512", "mlp", 512), ("mnist-mlp", "mnist-mlp", 512), ("mlp-1536", "mlp", 1536), ("mlp-4096", "mlp", 4096))
 ETHERNET_EFFICIENCY = 1448 / 1514
@@ -186,6 +203,47 @@ def predict_step(costs: Costs, cluster: Cluster, hierarchical: bool) -> Predicti
     compute_s = cluster.share * (costs.forward_backward_s + (codec_s + decode_s) / h)
     intra_s, link_s = intra_s / h, link_s / h
     return Prediction(compute_s, intra_s, link_s) if n > 1 else Prediction(compute_s, intra_s + link_s, 0.0)
+
+
+def predict_hsdp_step(costs: Costs, compressed: bool, cluster: Cluster, units: int = HSDP_UNITS) -> Prediction:
+    """Seconds per step of HSDP on ``cluster``: FSDP2 inside each node, each rank's gradient shard averaged with its
+    replicas on the other nodes densely (FSDP2's own) or through ``costs``' compressor (see the module docstring)."""
+    n, local, d = cluster.nodes, cluster.per_node, costs.params
+    intra_s = cluster.intra.seconds(3 * (local - 1) / local * 4.0 * d, 3 * units * (local - 1)) if local > 1 else 0.0
+    codec_s, link_s = 0.0, 0.0
+    if n > 1 and not compressed:
+        link_s = cluster.inter.seconds(2 * (n - 1) / n * 4.0 * d, 2 * (n - 1) * units)
+    elif n > 1:
+        aggregator, bytes_per_element = costs.path(n)
+        if aggregator != "allgather":
+            raise ValueError(f"aggregator={aggregator!r}: the HSDP model knows the Top-k allgather")
+        link_s = cluster.inter.seconds((n - 1) * bytes_per_element * d, (n - 1) * units)
+        codec_s = (costs.codec_s + (n - 1) * costs.decode_s) / local
+    return Prediction(cluster.share * (costs.forward_backward_s + codec_s), intra_s, link_s)
+
+
+def hsdp_payload_bytes_per_element(numel: int = 1 << 20) -> float:
+    """Bytes per element of the ``hsdp_topk`` preset's payload for a shard of ``numel`` elements, from a real payload
+    (its compressor on a random shard: Top-k's count is fixed, so the size does not depend on the values)."""
+    import torch
+
+    from lightning_gradcomp.hsdp import HSDP_PRESETS
+    from lightning_gradcomp.pipeline import build_pipeline
+
+    arguments = HSDP_PRESETS["hsdp_topk"][1]
+    codec, _ = build_pipeline(arguments["compressor"], None, arguments["density"], arguments["wire_precision"],
+                              arguments["memory"], None, arguments["aggregator"])  # fmt: skip
+    payload = codec.compress(torch.randn(numel, generator=torch.Generator().manual_seed(0)), torch.Generator())
+    return payload.nbytes / numel
+
+
+def hsdp_costs(method: str, costs_of: Any) -> tuple[Costs, bool]:
+    """The costs an HSDP method is predicted from (``costs_of(measured method)``) and whether it compresses."""
+    if method != "hsdp_topk":
+        return costs_of("dense"), False
+    bytes_per_element = hsdp_payload_bytes_per_element()
+    return replace(costs_of(HSDP_CODEC), aggregator="allgather", payload_bytes_per_element=bytes_per_element,
+                   auto=None), True  # fmt: skip
 
 
 def costs_at(profile: dict[str, Any], method: str, params: float, scale: float = 1.0) -> Costs:
@@ -535,9 +593,12 @@ def validate(args: argparse.Namespace) -> list[dict[str, Any]]:
             for result in results:
                 method = result["method"]
                 base, hierarchical = profiled_method(method)
-                if base not in size["methods"] or method not in (*METHODS, *HIERARCHICAL):
+                if method in HSDP:
+                    predicted = predict_hsdp_step(*hsdp_costs(method, partial(measured_costs, size)), cluster)
+                elif base not in size["methods"] or method not in (*METHODS, *HIERARCHICAL):
                     continue
-                predicted = predict_step(measured_costs(size, base), cluster, hierarchical)
+                else:
+                    predicted = predict_step(measured_costs(size, base), cluster, hierarchical)
                 measured = result["seconds_per_step"]
                 rows.append({"run": Path(path).name, "layout": f"{nodes}x{per_node}", "rate": rate, "method": method,
                              "measured_s": measured, "predicted_s": predicted.total_s, **asdict(predicted),
@@ -568,12 +629,19 @@ def cluster_predictions(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if base in DILOCO:
                         costs = replace(costs, sync_every=int(method.rpartition(":H")[2]))
                     step = predict_step(costs, cluster, hierarchical)
-                    rows.append({"params": params, "rate": rate, "ranks": ranks, "method": method,
-                                 "seconds_per_step": step.total_s, "speedup_vs_dense": dense / step.total_s,
-                                 "seconds_per_sample": step.total_s / (profile["batch"] * ranks),
-                                 **asdict(step)})  # fmt: skip
+                    rows.append(_row(params, rate, ranks, method, step, dense, profile["batch"]))
+                for method in HSDP:
+                    costs_of = partial(costs_at, profile, params=params, scale=args.compute_scale)
+                    step = predict_hsdp_step(*hsdp_costs(method, costs_of), cluster, args.hsdp_units)
+                    rows.append(_row(params, rate, ranks, method, step, dense, profile["batch"]))
                 ranks *= 2
-    return rows
+    return [r for r in rows if args.methods is None or r["method"] in args.methods]
+
+
+def _row(params: float, rate: str, ranks: int, method: str, step: Prediction, dense: float, batch: int) -> dict:
+    return {"params": params, "rate": rate, "ranks": ranks, "method": method, "seconds_per_step": step.total_s,
+            "speedup_vs_dense": dense / step.total_s, "seconds_per_sample": step.total_s / (batch * ranks),
+            **asdict(step)}  # fmt: skip
 
 
 def _methods(profile: dict[str, Any]) -> set[str]:
@@ -602,7 +670,8 @@ def crossovers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 #: ``(challenger, incumbent)``: where one method's step becomes shorter than another's
-OVERTAKES = (("ddp_gtopk", "ddp_topk"), ("ddp_topk:node", "ddp_topk"), ("ddp_gtopk:node", "ddp_gtopk"))
+OVERTAKES = (("ddp_gtopk", "ddp_topk"), ("ddp_topk:node", "ddp_topk"), ("ddp_gtopk:node", "ddp_gtopk"),
+             ("hsdp_topk", "hsdp"))  # fmt: skip
 
 
 def overtakes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -612,6 +681,8 @@ def overtakes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for params, rate in dict.fromkeys((r["params"], r["rate"]) for r in rows):
         ranks = sorted({r["ranks"] for r in rows})
         for challenger, incumbent in OVERTAKES:
+            if (params, rate, challenger, ranks[0]) not in step or (params, rate, incumbent, ranks[0]) not in step:
+                continue
             ahead = [step[params, rate, challenger, p] < step[params, rate, incumbent, p] for p in ranks]
             start = next((i for i in range(len(ranks)) if all(ahead[i:])), None)
             found.append({"params": params, "rate": rate, "challenger": challenger, "incumbent": incumbent,
@@ -635,7 +706,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str, per_node: int) -> No
             for n, method in enumerate(methods):
                 series = sorted((r for r in rows if (r["params"], r["rate"], r["method"]) == (size, rate, method)),
                                 key=lambda r: r["ranks"])  # fmt: skip
-                style = "--" if method.endswith(":node") else ":" if ":H" in method else "-"
+                style = "--" if method.endswith(":node") else ":" if ":H" in method else "-." if method in HSDP else "-"
                 ax.plot([r["ranks"] for r in series], [r["speedup_vs_dense"] for r in series], label=method,
                         color=f"C{n % 10}", linestyle=style, marker=".")  # fmt: skip
             ax.axhline(1.0, color="black", linewidth=0.8)
@@ -687,6 +758,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-latency-us", type=float, default=10.0)
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply the measured computation (1: this machine's CPU core, as measured)")  # fmt: skip
+    p.add_argument("--hsdp-units", type=int, default=32,
+                   help="FSDP units of the predicted model (its blocks): messages per collective")  # fmt: skip
+    p.add_argument("--methods", nargs="+", help="predict only these (default: every method; dense is the baseline)")
     p.add_argument("--plot")
     p.add_argument("--json")
     args = parser.parse_args(argv)

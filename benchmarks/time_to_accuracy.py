@@ -44,11 +44,13 @@ from typing import Any
 import workloads
 from methods import (
     DEFAULT_METHODS,
+    HSDP_METHODS,
     LOCAL_SGD_VARIANTS,
     VARIANTS,
     LocalSGD,
     attach,
     check_methods,
+    hsdp_model,
     is_local_sgd,
     powersgd_start,
 )
@@ -132,9 +134,10 @@ def _parameter_groups(model, hook, momentum: float) -> list[dict]:
 
 
 def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int, world: int) -> dict:
-    """One run of ``method``: DDP with its hook, or DiLoCo (``methods.LOCAL_SGD``: no DDP, each rank's own share of the
+    """One run of ``method``: DDP with its hook; DiLoCo (``methods.LOCAL_SGD``: no DDP, each rank's own share of the
     step's global batch with the same optimizer as its inner one, synchronising every ``--sync-every`` steps; evaluated
-    right after a synchronisation, ``--eval-every`` being a multiple of it, where every rank holds the same weights)."""
+    right after a synchronisation, ``--eval-every`` being a multiple of it, where every rank holds the same weights);
+    or HSDP (``methods.HSDP_METHODS``: the model sharded over half the ranks, two replicas, as two nodes would)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -142,8 +145,12 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     torch.manual_seed(seed)
     model = build_model(args.model)
     local_sgd = is_local_sgd(method)
-    forward = model if local_sgd else DistributedDataParallel(model)
-    hook = None if local_sgd else attach(method, forward, model, seed=seed, steps=args.steps)
+    exchange = hook = None
+    if method in HSDP_METHODS:
+        forward, exchange = hsdp_model(method, model, 2, world // 2)
+    else:
+        forward = model if local_sgd else DistributedDataParallel(model)
+        hook = None if local_sgd else attach(method, forward, model, seed=seed, steps=args.steps)
     if args.model == "lm":  # a Transformer: AdamW, as such models are trained
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     else:
@@ -167,7 +174,8 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     finally:
         if local is not None:
             local.close()
-    history = list(hook.history if hook is not None else local.history if local is not None else [])
+    recorder = next((r for r in (hook, local, exchange) if r is not None), None)
+    history = list(recorder.history if recorder is not None else [])
     compressed = [s for s in history if not s.warmup]  # DiLoCo: every inner step, its synchronisations' bytes spread
     return {
         "curve": curve,

@@ -2,7 +2,7 @@
 
 Importing the package registers the named strategies with the Trainer (``Trainer(strategy="ddp_topk")``)
 and with Fabric (``Fabric(strategy="ddp_topk")``); :func:`make_hook` serves hand-made
-``DistributedDataParallel`` scripts.
+``DistributedDataParallel`` scripts and :class:`ReplicaExchange` hand-made HSDP ones.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -30,7 +30,7 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.diloco import DILOCO_PRESETS, GradCompDiLoCoFabricStrategy, GradCompDiLoCoStrategy, OuterSync
 from lightning_gradcomp.fabric import GradCompFabricStrategy
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.hsdp import ReplicaExchange
+from lightning_gradcomp.hsdp import HSDP_PRESETS, GradCompHSDPFabricStrategy, GradCompHSDPStrategy, ReplicaExchange
 from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
 from lightning_gradcomp.presets import NAMED_STRATEGIES
 from lightning_gradcomp.stats import StepStats
@@ -43,11 +43,14 @@ GradCompStrategy.register_strategies(StrategyRegistry)
 GradCompDiLoCoStrategy.register_strategies(StrategyRegistry)
 GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 GradCompDiLoCoFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+GradCompHSDPStrategy.register_strategies(StrategyRegistry)
+GradCompHSDPFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "AGGREGATORS",
     "COMPRESSORS",
     "DILOCO_PRESETS",
+    "HSDP_PRESETS",
     "MEMORIES",
     "NAMED_STRATEGIES",
     "AllgatherAggregator",
@@ -65,6 +68,8 @@ __all__ = [
     "GradCompDiLoCoFabricStrategy",
     "GradCompDiLoCoStrategy",
     "GradCompFabricStrategy",
+    "GradCompHSDPFabricStrategy",
+    "GradCompHSDPStrategy",
     "GradCompHook",
     "GradCompStrategy",
     "GradientHistogram",

@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_gradcomp.comm import AGGREGATORS
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy
+from lightning_gradcomp.hsdp import GradCompHSDPStrategy
 from lightning_gradcomp.memory import MEMORIES
 from lightning_gradcomp.presets import DDP_VARIANTS
 from lightning_gradcomp.strategy import GradCompStrategy
@@ -20,12 +21,13 @@ def _first_line(obj: object) -> str:
 
 
 def gradcomp_strategies() -> dict[str, str]:
-    """Names and descriptions of the registered strategies built on :class:`GradCompStrategy` and
-    :class:`~lightning_gradcomp.diloco.GradCompDiLoCoStrategy`."""
+    """Names and descriptions of the registered strategies built on :class:`GradCompStrategy`,
+    :class:`~lightning_gradcomp.diloco.GradCompDiLoCoStrategy` and
+    :class:`~lightning_gradcomp.hsdp.GradCompHSDPStrategy`."""
     out = {}
     for name in sorted(StrategyRegistry.available_strategies()):
         entry = StrategyRegistry[name]
-        ours = (GradCompStrategy, GradCompDiLoCoStrategy)
+        ours = (GradCompStrategy, GradCompDiLoCoStrategy, GradCompHSDPStrategy)
         if isinstance(entry["strategy"], type) and issubclass(entry["strategy"], ours):
             out[name] = entry.get("description", "")
     return out

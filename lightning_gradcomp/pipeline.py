@@ -15,10 +15,17 @@ from lightning_gradcomp.compressors.lowbit import TwoBitValues
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
 from lightning_gradcomp.validation import check_choice
 
-__all__ = ["WIRE_CHOICES", "build_pipeline"]
+__all__ = ["WIRE_CHOICES", "build_pipeline", "pipeline_names"]
 
 #: What ``wire_precision`` takes: float values in half precision, or a sparsifier's values in 2 bits.
 WIRE_CHOICES = (None, "fp16", "bf16", "2bit")
+
+
+def pipeline_names(compressor: str | Compressor | None, memory: str, wire_precision: str | None) -> tuple[str, str]:
+    """The memory's and the compressor's names (``"topk+2bit"`` with a wire precision), as a checkpoint's manifest
+    records them: a resume with another pipeline is refused by these names."""
+    name = "none" if compressor is None else compressor if isinstance(compressor, str) else type(compressor).__name__
+    return memory, f"{name}+{wire_precision}" if wire_precision else name
 
 
 def build_pipeline(

@@ -27,6 +27,10 @@ def _features() -> list[str]:
         "GradCompStrategy",
         "GradCompFabricStrategy",
         "make_hook",
+        "GradCompHSDPStrategy",
+        "GradCompHSDPFabricStrategy",
+        "ReplicaExchange",
+        *lightning_gradcomp.HSDP_PRESETS,
     ]
 
 

@@ -11,7 +11,17 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from scale_model import Cluster, Costs, Link, crossovers, fit_link, overtakes, predict_step  # noqa: E402
+from scale_model import (  # noqa: E402
+    Cluster,
+    Costs,
+    Link,
+    crossovers,
+    fit_link,
+    hsdp_payload_bytes_per_element,
+    overtakes,
+    predict_hsdp_step,
+    predict_step,
+)
 
 D = 1_000_000  # parameters
 SLOW = Link(alpha_s=1e-3, bytes_per_s=1e6)
@@ -116,3 +126,25 @@ def test_diloco_spreads_its_exchange_and_the_synchronisations_computation_over_h
     assert every_ten.intra_s == pytest.approx(every_step.intra_s / 10)
     # the inner steps' forward/backward stays whole; compressing, decoding (7 other ranks' payloads) spread
     assert every_ten.compute_s == pytest.approx(2.0 * (0.5 + (0.2 + 7 * 0.01) / 10))
+
+
+def test_hsdp_gathers_inside_the_node_and_exchanges_each_ranks_shard_with_its_replicas() -> None:
+    cluster = Cluster(nodes=4, per_node=2, inter=SLOW, intra=FAST)
+    dense = predict_hsdp_step(_costs("allreduce", 4.0, codec_s=0.0), False, cluster, units=3)
+    # two all-gathers (forward, backward) and a reduce-scatter of (L-1)/L of 4d each, (L-1) messages per unit each
+    assert dense.intra_s == pytest.approx(3 * 3 * FAST.alpha_s + 3 * 1 / 2 * 4 * D / FAST.bytes_per_s)
+    # the node's L rings of d/L side by side: a ring allreduce of 4d through its link, one per unit
+    assert dense.inter_s == pytest.approx(3 * 2 * 3 * SLOW.alpha_s + 2 * 3 / 4 * 4 * D / SLOW.bytes_per_s)
+    assert dense.compute_s == pytest.approx(0.5)
+    topk = predict_hsdp_step(_costs("allgather", 0.03), True, cluster, units=3)
+    assert topk.intra_s == dense.intra_s
+    assert topk.inter_s == pytest.approx(3 * 3 * SLOW.alpha_s + 3 * 0.03 * D / SLOW.bytes_per_s)
+    # each rank compresses its shard (1/L of the model) and decodes its N - 1 replicas' payloads of it
+    assert topk.compute_s == pytest.approx(0.5 + (0.2 + 3 * 0.01) / 2)
+    alone = predict_hsdp_step(_costs("allgather", 0.03), True, Cluster(1, 8, SLOW, FAST), units=3)
+    assert alone.inter_s == 0.0 and alone.compute_s == pytest.approx(0.5)
+
+
+def test_the_hsdp_topk_payload_is_one_percent_at_about_three_bytes_an_entry() -> None:
+    per_entry = hsdp_payload_bytes_per_element(100_000) / 0.01
+    assert 2.0 < per_entry < 4.0  # a bfloat16 value and an Elias-Fano index entry of about a byte

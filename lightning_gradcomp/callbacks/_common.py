@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
 from lightning_gradcomp.hook import GradCompHook
+from lightning_gradcomp.hsdp import GradCompHSDPStrategy, ReplicaExchange
 from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.units import is_compressed
@@ -88,20 +89,25 @@ def resolve_layers(
 
 def require_recording_strategy(trainer: pl.Trainer, owner: str) -> None:
     """``TypeError`` unless the trainer's strategy records :class:`StepStats`: a :class:`GradCompStrategy` (every step's
-    exchange) or a :class:`~lightning_gradcomp.diloco.GradCompDiLoCoStrategy` (every inner step, bytes at the
-    synchronisations)."""
-    if not isinstance(trainer.strategy, GradCompDiLoCoStrategy):
+    exchange), a :class:`~lightning_gradcomp.diloco.GradCompDiLoCoStrategy` (every inner step, bytes at the
+    synchronisations) or a :class:`~lightning_gradcomp.hsdp.GradCompHSDPStrategy` (every step's exchange between
+    replicas)."""
+    if not isinstance(trainer.strategy, (GradCompDiLoCoStrategy, GradCompHSDPStrategy)):
         require_strategy(trainer, owner)
 
 
-def recorder_of(trainer: pl.Trainer) -> GradCompHook | OuterSync:
-    """What records the strategy's :class:`StepStats` (``history``, ``last_step``, ``memory``): the hook, or DiLoCo's
-    outer loop (it exists from ``on_fit_start`` on)."""
+def recorder_of(trainer: pl.Trainer) -> GradCompHook | OuterSync | ReplicaExchange:
+    """What records the strategy's :class:`StepStats` (``history``, ``last_step``, ``memory``): the hook, DiLoCo's
+    outer loop or HSDP's replica exchange (they exist from ``on_fit_start`` on)."""
     strategy = trainer.strategy
     if isinstance(strategy, GradCompDiLoCoStrategy):
         if strategy.outer_sync is None:
             raise RuntimeError("the GradCompDiLoCoStrategy has no outer loop yet; is the strategy set up?")
         return strategy.outer_sync
+    if isinstance(strategy, GradCompHSDPStrategy):
+        if strategy.replica_exchange is None:
+            raise RuntimeError("the GradCompHSDPStrategy has no replica exchange yet; is the strategy set up?")
+        return strategy.replica_exchange
     return hook_of(trainer)
 
 
@@ -113,7 +119,7 @@ def hook_of(trainer: pl.Trainer) -> GradCompHook:
     return hook
 
 
-def new_steps(hook: GradCompHook | OuterSync, after: int) -> list[StepStats]:
+def new_steps(hook: GradCompHook | OuterSync | ReplicaExchange, after: int) -> list[StepStats]:
     """The recorded steps with index above ``after``, oldest first (walks the history from its end)."""
     steps: list[StepStats] = []
     for stats in reversed(hook.history):

@@ -153,7 +153,9 @@ class CompressionMonitor(pl.Callback):
     synchronisations send nothing and the synchronisation's bytes fall on its step, so the logged bytes are per
     inner step and the ratio is plain DDP's bytes over DiLoCo's, per inner step (``gradcomp/residual_norm``: the
     memory of a compressed outer exchange). Choose ``every_n_steps`` a multiple of ``sync_every``: a window without a
-    synchronisation sent nothing (its ratio is infinite).
+    synchronisation sent nothing (its ratio is infinite). Under :class:`~lightning_gradcomp.GradCompHSDPStrategy` a
+    step's bytes are those of every unit's shard exchanged between the replicas, ``dense_bytes`` what FSDP2's own HSDP
+    all-reduces there, and ``per_layer=True`` shows one row per FSDP unit.
 
     With ``progress_bar=True`` rank 0's compression ratio of the latest step is logged as
     ``comp_ratio`` with ``prog_bar=True`` (shown by ``TQDMProgressBar`` and ``RichProgressBar``)
@@ -214,8 +216,8 @@ class CompressionMonitor(pl.Callback):
         self._window_seconds = 0.0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check that the strategy records steps: a :class:`~lightning_gradcomp.GradCompStrategy` or a
-        :class:`~lightning_gradcomp.GradCompDiLoCoStrategy`."""
+        """Check that the strategy records steps: a :class:`~lightning_gradcomp.GradCompStrategy`, a
+        :class:`~lightning_gradcomp.GradCompDiLoCoStrategy` or a :class:`~lightning_gradcomp.GradCompHSDPStrategy`."""
         require_recording_strategy(trainer, type(self).__name__)
         if self.per_layer and isinstance(trainer.strategy, GradCompDiLoCoStrategy):
             raise ValueError(

@@ -13,6 +13,7 @@ from torch import nn
 from lightning_gradcomp.checkpoint import manifest, read_shard, write_shard
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.diloco.outer import OuterSync, check_exchange_arguments, check_outer_arguments
+from lightning_gradcomp.pipeline import pipeline_names
 
 __all__ = ["DILOCO_KEY", "WRAPPER_FREE", "DiLoCoSettings", "refuse_wrapper_arguments"]
 
@@ -119,10 +120,9 @@ class DiLoCoSettings:
     def _exchange_names(self) -> tuple[str, str]:
         """The memory's and the compressor's names (with a wire precision), as the manifest records them."""
         arguments = self.exchange_arguments
-        compressor = arguments.get("compressor", "none")
-        name = compressor if isinstance(compressor, str) else type(compressor).__name__
-        wire = arguments.get("wire_precision")
-        return arguments.get("memory", "none"), f"{name}+{wire}" if wire else name
+        return pipeline_names(
+            arguments.get("compressor"), arguments.get("memory", "none"), arguments.get("wire_precision")
+        )
 
     def read_diloco_shard(self, path: Any, rank: int, world_size: int, saved: dict[str, Any]) -> dict[str, Any]:
         """This rank's shard of the checkpoint at ``path`` whose manifest is ``saved``; a checkpoint of another world

@@ -87,7 +87,7 @@ class RunSummary(Callback):
         )
 
     def _bytes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        hook = getattr(trainer.strategy, "gradcomp_hook", None)
+        hook = getattr(trainer.strategy, "gradcomp_hook", None) or getattr(trainer.strategy, "replica_exchange", None)
         outer_sync = getattr(trainer.strategy, "outer_sync", None)
         if outer_sync is not None:  # DiLoCo: the whole fit's inner steps, bytes at the synchronisations
             source = BYTES_FROM_HOOK
@@ -130,6 +130,8 @@ class RunSummary(Callback):
         if compressor is None and getattr(strategy, "outer_sync", None) is not None:
             exchange = strategy.outer_sync.exchange
             compressor = exchange.compressor if exchange is not None else None
+        if compressor is None and getattr(strategy, "replica_exchange", None) is not None:  # HSDP's
+            compressor = strategy.replica_exchange.average.compressor
         summary = {
             "strategy": type(strategy).__name__,
             "compressor": repr(compressor) if compressor is not None else None,

@@ -1,0 +1,172 @@
+"""What the HSDP Trainer and Fabric strategies share: their arguments, checked where they enter, the mesh and units they
+build, the replica exchange they install, and each rank's shard of its state beside a checkpoint (the memory of this
+rank's gradient shards and the units' step counts: every rank holds its own)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from lightning_gradcomp.checkpoint import manifest, read_shard, write_shard
+from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.exchange import check_flat_compressor
+from lightning_gradcomp.hsdp.replica import ReplicaExchange, aggregator_name
+from lightning_gradcomp.hsdp.sharding import (
+    check_unit_modules,
+    hsdp_mesh,
+    shard_model,
+    unsharded_parameters,
+)
+from lightning_gradcomp.pipeline import build_pipeline, pipeline_names
+from lightning_gradcomp.validation import check_bool, check_int
+
+__all__ = ["HSDP_KEY", "PRECISIONS", "REDUCE_IN_FLOAT32", "HSDPSettings", "check_precision"]
+
+#: The manifest's key in the checkpoint.
+HSDP_KEY = "hsdp"
+#: The units the strategies shard reduce their gradients in float32 whatever the parameters' dtype (``bf16-true``):
+#: the shard the exchange gets, and the error-feedback residual kept for it, hold small values.
+REDUCE_IN_FLOAT32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+#: The precisions Lightning's ``ModelParallelStrategy`` takes (a loss scaler would decide from each rank's shards).
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+def check_precision(precision: str, owner: str) -> None:
+    """``ValueError`` unless ``precision`` is one of :data:`PRECISIONS` (Lightning refuses the others for its
+    ``ModelParallelStrategy`` given as an object, but not for one named by a string)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{owner} does not support precision={precision!r}; choose one of {list(PRECISIONS)}")
+
+
+class HSDPSettings:
+    """Compressed HSDP's arguments, validated once.
+
+    Args:
+        compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, aggregator: the replica
+            exchange's pipeline, as :class:`~lightning_gradcomp.GradCompStrategy` takes them (compressors that need a
+            tensor's own shape, a warm start or a shared scale are refused: a unit's shard is a flat slice of several
+            parameters).
+        min_compress_numel: shards with fewer elements are averaged densely.
+        seed: base seed of the compressors' random streams.
+        replicate_size: replicas (the mesh's first dimension); ``"auto"``: one per node. The shard dimension is the
+            rest, ``world_size // replicate_size`` ranks.
+        unit_modules: the blocks to shard as FSDP units when ``configure_model`` (or Fabric's ``parallelize_fn``)
+            has not: module classes or class names; ``None``, each element of the model's ``nn.ModuleList``\\s.
+        reshard_after_forward: ``fully_shard``'s: free the gathered parameters after the forward (ZeRO-3) or keep
+            them until the backward (ZeRO-2, one all-gather fewer).
+    """
+
+    def __init__(
+        self,
+        compressor: str | Compressor = "topk",
+        compressor_kwargs: dict[str, Any] | None = None,
+        density: float | None = None,
+        wire_precision: Literal["fp16", "bf16", "2bit"] | None = None,
+        memory: str = "ef",
+        memory_kwargs: dict[str, Any] | None = None,
+        aggregator: str = "auto",
+        min_compress_numel: int = 0,
+        seed: int = 0,
+        replicate_size: Literal["auto"] | int = "auto",
+        unit_modules: Sequence[str | type[nn.Module]] | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        check_int("min_compress_numel", min_compress_numel, 0)
+        check_int("seed", seed, 0)
+        if replicate_size != "auto":
+            check_int("replicate_size", replicate_size, 1, note="or 'auto' (one replica per node)")
+        check_bool("reshard_after_forward", reshard_after_forward)
+        self.unit_modules = check_unit_modules(unit_modules)
+        name = aggregator_name(aggregator)
+        codec, _ = build_pipeline(compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, name)
+        check_flat_compressor(codec, "HSDP's replica exchange", name)  # a bad combination fails here, not at setup
+        #: the replica exchange's arguments
+        self.exchange_arguments: dict[str, Any] = {
+            "compressor": compressor, "compressor_kwargs": compressor_kwargs, "density": density,
+            "wire_precision": wire_precision, "memory": memory, "memory_kwargs": memory_kwargs,
+            "aggregator": aggregator, "min_compress_numel": min_compress_numel, "seed": seed,
+        }  # fmt: skip
+        self.replicate_size = replicate_size
+        self.reshard_after_forward = reshard_after_forward
+        #: the exchange between replicas, once the strategy has sharded its module
+        self.replica_exchange: ReplicaExchange | None = None
+        self._exchange_module: nn.Module | None = None
+        self._mesh_shape: tuple[int, int] | None = None
+        self._run_tag = uuid.uuid4().hex
+        self._saves = 0
+
+    def build_mesh(self, device_type: str, world_size: int, num_nodes: int) -> DeviceMesh:
+        """The ``(replicate, shard)`` mesh: ``replicate_size`` replicas (one per node for ``"auto"``)."""
+        replicas = num_nodes if self.replicate_size == "auto" else self.replicate_size
+        mesh = hsdp_mesh(device_type, world_size, replicas)
+        self._mesh_shape = (replicas, world_size // replicas)
+        return mesh
+
+    def shard(self, module: nn.Module, mesh: DeviceMesh, lightning_module: bool) -> None:
+        """``fully_shard`` ``module``'s blocks over the shard dimension, gradients reduced in float32
+        (:data:`REDUCE_IN_FLOAT32`), unless its units exist already; every trainable parameter must end up in a unit
+        (else it would train apart on every rank)."""
+        if not any(isinstance(m, FSDPModule) for m in module.modules()):
+            shard_model(module, mesh["shard"], self.unit_modules, self.reshard_after_forward, not lightning_module,
+                        REDUCE_IN_FLOAT32)  # fmt: skip
+        outside = unsharded_parameters(module)
+        if outside:
+            raise ValueError(
+                f"parameters {outside} are in no FSDP unit: shard every module holding trainable parameters with "
+                "fully_shard(..., mesh=device_mesh['shard']) in configure_model, or leave the sharding to the strategy"
+            )
+
+    def install_exchange(self, module: nn.Module, mesh: DeviceMesh) -> ReplicaExchange:
+        """Install the compressed exchange on ``module``'s units (once per module: a later ``fit`` of the same model
+        keeps its memory), and share rank 0's run tag (it marks this run's shards)."""
+        if self.replica_exchange is not None and self._exchange_module is module:
+            return self.replica_exchange
+        self.replica_exchange = ReplicaExchange(module, mesh, **self.exchange_arguments)
+        self._exchange_module = module
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            shared: list[Any] = [self._run_tag]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self._run_tag = shared[0]
+        return self.replica_exchange
+
+    def write_hsdp_shard(self, path: Any, rank: int, world_size: int) -> dict[str, Any]:
+        """Write this rank's exchange state beside ``path`` and return the manifest the checkpoint keeps under
+        :data:`HSDP_KEY`."""
+        assert self.replica_exchange is not None
+        self._saves += 1
+        tag = f"{self._run_tag}-{self._saves}"
+        write_shard(path, rank, world_size, {"tag": tag, "exchange": self.replica_exchange.state_dict()})
+        return {**manifest(world_size, tag, *self._names()), "mesh": list(self._mesh_shape or ())}
+
+    def _names(self) -> tuple[str, str]:
+        arguments = self.exchange_arguments
+        return pipeline_names(arguments["compressor"], arguments["memory"], arguments["wire_precision"])
+
+    def read_hsdp_shard(self, path: Any, rank: int, world_size: int, saved: dict[str, Any]) -> None:
+        """Restore this rank's exchange state from the checkpoint at ``path`` whose manifest is ``saved``; one of
+        another world size, memory or compressor is refused by name (the shards and their memory would not match)."""
+        assert self.replica_exchange is not None
+        if saved["world_size"] != world_size:
+            raise ValueError(
+                f"the checkpoint {path} holds the HSDP exchange state of {saved['world_size']} ranks, but this run has "
+                f"{world_size} (each rank's memory belongs to its own gradient shard)"
+            )
+        if tuple(saved["mesh"]) != self._mesh_shape:
+            raise ValueError(
+                f"the checkpoint {path} holds the HSDP exchange state of a (replicate, shard) mesh "
+                f"{tuple(saved['mesh'])}, but this run's is {self._mesh_shape} (each rank's memory belongs to its own "
+                "gradient shard)"
+            )
+        memory, compressor = self._names()
+        if (saved["memory"], saved["compressor"]) != (memory, compressor):
+            raise ValueError(
+                f"the checkpoint {path} holds the HSDP exchange state of memory {saved['memory']!r} and compressor "
+                f"{saved['compressor']!r}, but this run has memory {memory!r} and compressor {compressor!r}"
+            )
+        self.replica_exchange.load_state_dict(read_shard(path, rank, saved)["exchange"])
