@@ -16,7 +16,7 @@ from lightning_gradcomp.validation import check_choice
 #: The Top-k family's density in the presets, outside Accordion's critical regimes (four times it inside them):
 #: Accordion's own Top-k setting keeps 1% of the entries outside critical regimes (Agarwal et al., MLSys 2021,
 #: Sec. 5). The papers' 0.001 (ImageNet-scale models, many epochs) took a third more steps to reach plain DDP's
-#: accuracy on LeNet-5 and the MNIST MLP (benchmarks/README.md, "Time to accuracy"), and an Elias-Fano index with
+#: accuracy on LeNet-5 and the MNIST MLP (docs/benchmarks/time-to-accuracy.md), and an Elias-Fano index with
 #: a bfloat16 value costs about 3 bytes an entry, so 1% of a gradient is about 1/130 of its dense bytes.
 PRESET_SPARSE_DENSITY = 0.01
 

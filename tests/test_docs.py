@@ -70,3 +70,31 @@ def test_the_package_exports_every_compressor_aggregator_memory_callback_and_ent
     expected |= {"GradCompStrategy", "GradCompFabricStrategy", "make_hook", "gradcomp_comm_hook", "StepStats"}
     assert expected <= set(lightning_gradcomp.__all__)
     assert all(hasattr(lightning_gradcomp, name) for name in lightning_gradcomp.__all__)
+
+
+DOCS = ROOT / "docs"
+README = (ROOT / "README.md").read_text()
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    reference = " ".join(page.read_text() for page in (DOCS / "reference").glob("*.md"))
+    documented = set(re.findall(r"^::: lightning_gradcomp\.(\w+)$", reference, flags=re.MULTILINE))
+    missing = sorted(set(lightning_gradcomp.__all__) - documented)
+    assert not missing, f"public names without an entry in docs/reference/: {missing}"
+
+
+def test_the_readme_fits_a_screen_and_a_half_and_its_links_lead_somewhere() -> None:
+    assert len(README.splitlines()) < 200
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README) + re.findall(r"^\[\w+\]: (\S+?)(?:#\S*)?$", README,
+                                                                            flags=re.MULTILINE)  # fmt: skip
+    local = [t for t in targets if not t.startswith(("http://", "https://"))]
+    assert local and all((ROOT / t).exists() for t in local), [t for t in local if not (ROOT / t).exists()]
+
+
+def test_the_site_is_configured_over_every_page_and_shows_only_committed_plots() -> None:
+    config = (ROOT / "mkdocs.yml").read_text()
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    in_nav = set(re.findall(r":\s+(\S+\.md)$", config, flags=re.MULTILINE))
+    assert pages == in_nav, (sorted(pages - in_nav), sorted(in_nav - pages))
+    plots = {name for page in DOCS.rglob("*.md") for name in re.findall(r"results/([\w.-]+\.png)", page.read_text())}
+    assert plots and all((ROOT / "benchmarks" / "results" / name).is_file() for name in plots)

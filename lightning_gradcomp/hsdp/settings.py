@@ -57,7 +57,8 @@ class HSDPSettings:
         replicate_size: replicas (the mesh's first dimension); ``"auto"``: one per node. The shard dimension is the
             rest, ``world_size // replicate_size`` ranks.
         unit_modules: the blocks to shard as FSDP units when ``configure_model`` (or Fabric's ``parallelize_fn``)
-            has not: module classes or class names; ``None``, each element of the model's ``nn.ModuleList``\\s.
+            has not: module classes or class names; ``None``, each element of the model's outermost
+            ``nn.ModuleList``\\s (:func:`~lightning_gradcomp.hsdp.sharding.plan_units`).
         reshard_after_forward: ``fully_shard``'s: free the gathered parameters after the forward (ZeRO-3) or keep
             them until the backward (ZeRO-2, one all-gather fewer).
     """
