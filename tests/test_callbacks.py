@@ -385,3 +385,33 @@ def test_unbiased_bounds_hold_on_average() -> None:
 
 def test_bound_violation_error_is_a_runtime_error() -> None:
     assert issubclass(BoundViolationError, RuntimeError)
+
+
+def test_the_top_k_bounds_are_checked_for_the_largest_entries_only_not_a_random_draw() -> None:
+    from lightning_gradcomp.callbacks.bound_check import applicable_bounds, layer_bounds
+    from lightning_gradcomp.compressors import (
+        DGCCompressor,
+        GaussianKCompressor,
+        RandomKCompressor,
+        TopKCompressor,
+        WirePrecision,
+    )
+    from lightning_gradcomp.compressors.lowbit import TwoBitValues
+
+    for family in (
+        TopKCompressor(0.1),
+        GaussianKCompressor(0.1),
+        DGCCompressor(0.1),
+        WirePrecision(TopKCompressor(0.1), "bf16"),
+    ):
+        assert applicable_bounds(family)[:2] == ("topk", "gaussian"), family
+    assert applicable_bounds(RandomKCompressor(0.1)) == ("omega",)  # unbiased: its variance bound instead
+    assert applicable_bounds(RandomKCompressor(0.1, scaled=False)) == ()
+    assert applicable_bounds(TwoBitValues(TopKCompressor(0.1))) == ()
+    # a random draw of 1 entry in 10 from a vector whose mass sits on one entry breaks 1 - k/d: no bound to break
+    x = torch.zeros(10)
+    x[0] = 1.0
+    compressor = RandomKCompressor(0.1, scaled=False)
+    payload = compressor.compress(x, torch.Generator().manual_seed(3))
+    bounds = layer_bounds(x, compressor.decompress(payload), compressor)
+    assert bounds is not None and bounds.error in (0.0, 1.0) and bounds.violations() == {}

@@ -100,12 +100,13 @@ class LayerBounds:
 def applicable_bounds(compressor: Compressor) -> tuple[str, ...]:
     """The names (from :data:`BOUNDS`) of the bounds known for ``compressor``, from its properties.
 
-    ``sparse`` and a ``density``: the Top-k family (``"topk"``, ``"gaussian"``); ``unbiased`` and a
+    ``keeps_largest`` and a ``density``: the Top-k family (``"topk"``, ``"gaussian"``; not random-k, whose draw
+    obeys no such bound, nor values quantised to two levels); ``unbiased`` and a
     callable ``omega(numel)``: ``"omega"``; the name ``"terngrad"``: ``"terngrad"``. A property
     that is missing just leaves its bound out.
     """
     found = []
-    if getattr(compressor, "sparse", False) and getattr(compressor, "density", None) is not None:
+    if getattr(compressor, "keeps_largest", False) and getattr(compressor, "density", None) is not None:
         found += ["topk", "gaussian"]
     if getattr(compressor, "unbiased", False) and callable(getattr(compressor, "omega", None)):
         found.append("omega")

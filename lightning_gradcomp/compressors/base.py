@@ -147,6 +147,9 @@ class Compressor(ABC):
             half-precision wire can carry (:class:`~lightning_gradcomp.compressors.WirePrecision`):
             its payloads implement :meth:`Payload.cast` and :meth:`Payload.wire_nbytes`, or it is
             all-reduced in rounds only.
+        keeps_largest: whether it sends the ``k`` entries of largest magnitude unchanged (the Top-k family), so that
+            ``||x - C(x)||^2 <= (1 - k/d) ||x||^2`` holds for every ``x``; a random selection (random-k) or quantised
+            values do not keep that bound.
     """
 
     name: ClassVar[str]
@@ -159,6 +162,7 @@ class Compressor(ABC):
     warm_started: ClassVar[bool] = False
     takes_scratch: ClassVar[bool] = False
     float_wire: ClassVar[bool] = False
+    keeps_largest: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:

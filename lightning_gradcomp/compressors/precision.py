@@ -164,6 +164,10 @@ class WirePrecision(Compressor):
         return self.inner.takes_scratch
 
     @property
+    def keeps_largest(self) -> bool:  # type: ignore[override]
+        return self.inner.keeps_largest
+
+    @property
     def density(self) -> float:
         return self.inner.density  # type: ignore[attr-defined]
 

@@ -65,6 +65,7 @@ class TopKCompressor(FixedKSparsifier):
     """
 
     name = "topk"
+    keeps_largest = True
     unbiased = False
     takes_segments = True
     #: fraction of entries sampled for the threshold, the smallest sample, and the rank margin in
