@@ -35,7 +35,7 @@ class SparsePayload(Payload):
     Wire form: the count ``k`` as int64, the indices as a sorted set in the fewest bytes their count
     allows (:mod:`~lightning_gradcomp.compressors.indices`: Elias-Fano, about ``2 + log2(d / k)``
     bits each, or a bitmap), then the values in ascending index order, in the gradient's dtype (or a
-    wire precision's): ``4 + encoded_nbytes(d, k) + k * itemsize`` bytes, a function of ``d`` and ``k``
+    wire precision's): ``8 + encoded_nbytes(d, k) + k * itemsize`` bytes, a function of ``d`` and ``k``
     alone. With ``slots`` (a compressor whose count varies up to a known bound, Gaussian_k), the wire
     form has a fixed size instead: the indices in the format of ``slots`` indices, then ``slots``
     values, zero-padded, so that an allgather needs no exchange of sizes (one collective instead of
