@@ -68,7 +68,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +222,7 @@ def predict_hsdp_step(costs: Costs, compressed: bool, cluster: Cluster, units: i
     return Prediction(cluster.share * (costs.forward_backward_s + codec_s), intra_s, link_s)
 
 
+@cache
 def hsdp_payload_bytes_per_element(numel: int = 1 << 20) -> float:
     """Bytes per element of the ``hsdp_topk`` preset's payload for a shard of ``numel`` elements, from a real payload
     (its compressor on a random shard: Top-k's count is fixed, so the size does not depend on the values)."""

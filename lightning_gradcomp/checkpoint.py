@@ -21,7 +21,9 @@ half-written shard under the real name. Paths may be local or any ``fsspec`` URL
 from __future__ import annotations
 
 import os
-from typing import Any
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -31,6 +33,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 CHECKPOINT_KEY = "gradcomp"
 #: Manifest format: 1 held every rank's state inline (gathered to rank 0); 2 points to shards.
 FORMAT = 2
+
+T = TypeVar("T")
 
 
 class ShardError(ValueError):
@@ -115,3 +119,67 @@ def remove_shards(checkpoint_path: str | os.PathLike, rank: int, world_size: int
             return
         except FileNotFoundError:
             continue
+
+
+class ShardTags:
+    """The tags that mark one run's shards: a run tag every rank takes from rank 0, and a count of saves (a shard
+    written by another save or run is told apart by its tag)."""
+
+    def __init__(self) -> None:
+        #: this run's tag (each rank draws its own; :meth:`share` gives every rank rank 0's)
+        self.run = uuid.uuid4().hex
+        self.saves = 0
+
+    def share(self) -> None:
+        """Take rank 0's run tag (one small broadcast; nothing when not distributed)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            shared: list[Any] = [self.run]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self.run = shared[0]
+
+    def next(self) -> str:
+        """The tag of the next save."""
+        self.saves += 1
+        return f"{self.run}-{self.saves}"
+
+
+def on_every_rank(read: Callable[[], T]) -> T:
+    """``read()`` (this rank's shard); a :class:`ShardError` on any rank is raised on every rank, naming each failing
+    rank's file, so that no rank goes on to a collective the others never reach (one object gather)."""
+    result, error = None, None
+    try:
+        result = read()
+    except ShardError as err:
+        error = str(err)
+    errors = [error]
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        errors = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(errors, error)
+    if any(errors):
+        raise ShardError("; ".join(dict.fromkeys(e for e in errors if e)))
+    return result  # type: ignore[return-value]
+
+
+def refuse_other_run(
+    path: Any, what: str, saved: dict[str, Any], world_size: int, memory: str, compressor: str, **layout: Any
+) -> None:
+    """``ValueError`` naming what differs between the checkpoint's manifest ``saved`` and this run: the world size,
+    each ``layout`` entry (``key=(label, value)``, e.g. ``mesh=("a (replicate, shard) mesh", (2, 2))``), the memory
+    or the compressor (per-rank state would not mean what this run's does); ``what`` names the state."""
+    if saved["world_size"] != world_size:
+        raise ValueError(
+            f"the checkpoint {path} holds the {what} of {saved['world_size']} ranks, but this run has {world_size}"
+        )
+    for key, (label, mine) in layout.items():
+        theirs = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
+        if theirs != mine:
+            raise ValueError(f"the checkpoint {path} holds the {what} of {label} {theirs}, but this run's is {mine}")
+    if (saved["memory"], saved["compressor"]) != (memory, compressor):
+        raise ValueError(
+            f"the checkpoint {path} holds the {what} of memory {saved['memory']!r} and compressor "
+            f"{saved['compressor']!r}, but this run has memory {memory!r} and compressor {compressor!r}"
+        )

@@ -1,24 +1,33 @@
 """The compression pipeline every front end builds from its arguments: compressor, wire precision and memory,
 checked against each other and against the aggregator where they enter (a ``ValueError`` naming the argument).
 
-The DDP strategies (:mod:`lightning_gradcomp.settings`) and DiLoCo's outer step (:mod:`lightning_gradcomp.diloco`)
-take the same arguments and refuse the same combinations.
+The DDP strategies (:mod:`lightning_gradcomp.settings`), DiLoCo's outer step (:mod:`lightning_gradcomp.diloco`) and
+HSDP's replica exchange (:mod:`lightning_gradcomp.hsdp`) take the same arguments and refuse the same combinations.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_gradcomp.comm import AGGREGATORS
+from lightning_gradcomp.comm import AGGREGATORS, Aggregator
 from lightning_gradcomp.compressors import Compressor, WirePrecision, build_compressor
 from lightning_gradcomp.compressors.lowbit import TwoBitValues
 from lightning_gradcomp.memory import MEMORIES, Diana, Memory, build_memory
 from lightning_gradcomp.validation import check_choice
 
-__all__ = ["WIRE_CHOICES", "build_pipeline", "pipeline_names"]
+__all__ = ["WIRE_CHOICES", "aggregator_name", "build_pipeline", "pipeline_names"]
 
 #: What ``wire_precision`` takes: float values in half precision, or a sparsifier's values in 2 bits.
 WIRE_CHOICES = (None, "fp16", "bf16", "2bit")
+
+
+def aggregator_name(aggregator: Any) -> str:
+    """The name of ``aggregator`` (a name or an :class:`~lightning_gradcomp.comm.Aggregator`), or a ``ValueError``."""
+    if isinstance(aggregator, str):
+        return aggregator
+    if isinstance(aggregator, Aggregator):
+        return aggregator.name
+    raise ValueError(f"aggregator must be one of {[*sorted(AGGREGATORS), 'auto']} or an Aggregator, got {aggregator!r}")
 
 
 def pipeline_names(compressor: str | Compressor | None, memory: str, wire_precision: str | None) -> tuple[str, str]:

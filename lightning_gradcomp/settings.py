@@ -13,7 +13,6 @@ import copy
 import difflib
 import fnmatch
 import inspect
-import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -24,7 +23,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_ze
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.adaptive import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, Accordion
-from lightning_gradcomp.checkpoint import FORMAT, ShardError, manifest, read_shard, write_shard
+from lightning_gradcomp.checkpoint import (
+    FORMAT,
+    ShardError,
+    ShardTags,
+    manifest,
+    on_every_rank,
+    read_shard,
+    write_shard,
+)
 from lightning_gradcomp.comm.hierarchy import HIERARCHIES, SCHEMES, NodeLayout, NodeTopology, node_id_from_environment
 from lightning_gradcomp.compressors import Compressor, IdentityCompressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
@@ -153,8 +160,7 @@ class CompressionSettings:
         self._output_watch: OutputLayerWatch | None = None
         #: the parameters of the output layer ``keep_last_layer_dense`` keeps dense, once declared or found
         self.output_layer: list[str] | None = None
-        self._run_tag = uuid.uuid4().hex  # replaced by rank 0's at setup, so that all ranks share it
-        self._saves = 0
+        self._tags = ShardTags()  # its run tag replaced by rank 0's at setup, so that all ranks share it
         self.dense_parameters = tuple(dense_parameters)
         self.keep_last_layer_dense = keep_last_layer_dense
         self.aggregator_name = aggregator
@@ -503,8 +509,8 @@ class CompressionSettings:
         if world_size == 1:
             return
         every: list[Any] = [None] * world_size
-        torch.distributed.all_gather_object(every, (local, self._run_tag), group=group)
-        self._run_tag = every[0][1]
+        torch.distributed.all_gather_object(every, (local, self._tags.run), group=group)
+        self._tags.run = every[0][1]
         every = [settings for settings, _ in every]
         differences = [
             f"{key}: " + ", ".join(f"rank {r} has {settings[key]}" for r, settings in enumerate(every))
@@ -528,8 +534,7 @@ class CompressionSettings:
 
     def save_compression_state(self, filepath: Any, rank: int, world_size: int) -> dict[str, Any]:
         """Write this rank's compression state beside ``filepath``; the manifest the checkpoint should hold."""
-        self._saves += 1
-        tag = f"{self._run_tag}-{self._saves}"
+        tag = self._tags.next()
         write_shard(filepath, rank, world_size, {"tag": tag, **self.compression_state()})
         return manifest(world_size, tag, self.memory.name, self.compressor.name)
 
@@ -552,15 +557,7 @@ class CompressionSettings:
                 raise ValueError(f"{message}; pass on_world_size_change='reset' to start the state afresh")
             rank_zero_warn(f"{message}: compression state (residuals, shifts, step counter) starts afresh")
             return
-        state, error = None, None
-        try:
-            state = self._read_state(checkpoint_path, saved, rank)
-        except ShardError as err:
-            error = str(err)
-        errors = self._every_rank(error)
-        if any(errors):
-            raise ShardError("; ".join(dict.fromkeys(e for e in errors if e)))
-        assert state is not None
+        state = on_every_rank(lambda: self._read_state(checkpoint_path, saved, rank))
         self.memory.load_state_dict({k: v.to(device) for k, v in state["memory_state"].items()})
         if state["hook"] is not None:
             if self.gradcomp_hook is not None:
@@ -588,15 +585,6 @@ class CompressionSettings:
                     f"but this run uses {what}={mine!r}"
                 )
         return state
-
-    @staticmethod
-    def _every_rank(value: Any) -> list[Any]:
-        """``value`` from every rank of the world, in rank order (one object gather; just ``[value]`` alone)."""
-        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-            return [value]
-        every: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, value)
-        return every
 
 
 #: The names of :class:`CompressionSettings`' arguments, in order.

@@ -70,6 +70,13 @@ class StepStats:
         self.bytes_sent, self.bytes_received = counter.bytes_sent, counter.bytes_received
         self.collectives, self.bytes_sent_by_dtype = counter.calls, dict(counter.sent_by_dtype)
 
+    def add(self, part: StepStats) -> None:
+        """Add ``part``'s counts and times (one unit's exchange of this step) to this record."""
+        for key in _SUMMED:
+            setattr(self, key, getattr(self, key) + getattr(part, key))
+        for dtype, sent in part.bytes_sent_by_dtype.items():
+            self.bytes_sent_by_dtype[dtype] = self.bytes_sent_by_dtype.get(dtype, 0) + sent
+
     @property
     def warmup(self) -> bool:
         """Whether the step was one of the dense warm-up steps (averaged as DDP does)."""
@@ -89,6 +96,12 @@ class StepStats:
     def bits_per_element(self) -> float:
         """Bits sent per gradient element of the step."""
         return 8.0 * self.bytes_sent / self.numel if self.numel else 0.0
+
+
+#: The counts and times of a :class:`StepStats` that its parts add up to.
+_SUMMED = ("numel", "dense_bytes", "numel_compressed", "payload_bytes", "selected", "bytes_sent",
+           "bytes_received", "collectives", "nonfinite_units", "seconds_compress", "seconds_communicate",
+           "seconds_decompress")  # fmt: skip
 
 
 def bytes_per_compressed_step(history: Iterable[StepStats]) -> tuple[float, float] | None:

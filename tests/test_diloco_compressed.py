@@ -237,6 +237,7 @@ def test_the_trainer_resumes_a_compressed_exchange_between_synchronisations(
         ({"memory": "ef"}, "pass compressor= too"),
         ({"compressor": "topk", "min_compress_numel": -1}, "min_compress_numel"),
         ({"compressor": "nope"}, "compressor must be one of"),
+        ({"compressor": "topk", "aggregator": None}, "aggregator must be one of"),
         ({"compressor": "powersgd", "aggregator": "allreduce"}, "needs each tensor's own shape and a warm start"),
         ({"compressor": "atomo"}, "needs each tensor's own shape"),
         ({"compressor": "terngrad", "compressor_kwargs": {"share_scale": True}}, "a scale shared over the ranks"),
@@ -425,3 +426,24 @@ def test_a_tuners_restore_inside_fit_puts_back_the_outer_state_and_every_rank_st
         assert seen["inner_steps"] == 0 and seen["anchor_is_weights"]
         for name, value in seen["state"].items():  # frozen parameters and buffers too, as DDP starts
             assert torch.equal(value, ranks[0]["state"][name]), name
+
+
+def _read_with_rank_one_missing(rank: int, world_size: int, folder: str) -> str:
+    from lightning_gradcomp.checkpoint import manifest, write_shard
+
+    path = Path(folder) / "run.ckpt"
+    if rank == 0:  # rank 1's shard is missing
+        write_shard(path, 0, world_size, {"tag": "tag"})
+    torch.distributed.barrier()
+    strategy = GradCompDiLoCoStrategy(**DILOCO_PRESETS["ddp_diloco_topk"][1])
+    try:
+        strategy.read_diloco_shard(path, rank, world_size, manifest(world_size, "tag", "ef", "topk+2bit"))
+    except ValueError as error:  # ShardError
+        return str(error)
+    return ""
+
+
+def test_a_shard_missing_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # rank 0's own shard is there: without the ranks agreeing, it would go on alone to the first collective
+    for message in run_ranks(_read_with_rank_one_missing, 2, str(tmp_path)):
+        assert "the compression state of rank 1 is missing" in message

@@ -35,7 +35,7 @@ from lightning_gradcomp.comm import Aggregator, Collectives, CommCounter
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.exchange import CompressedAverage, check_flat_compressor
 from lightning_gradcomp.memory import Memory, NoMemory
-from lightning_gradcomp.pipeline import build_pipeline
+from lightning_gradcomp.pipeline import aggregator_name, build_pipeline
 from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.validation import check_bool, check_int, check_number
 
@@ -86,7 +86,7 @@ def check_exchange_arguments(
                 "averaged densely)"
             )
         return None
-    name = aggregator if isinstance(aggregator, str) else aggregator.name
+    name = aggregator_name(aggregator)
     built = build_pipeline(compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, name)
     codec = built[0]
     check_flat_compressor(codec, "DiLoCo's exchange", name)

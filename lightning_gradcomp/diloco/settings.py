@@ -4,13 +4,12 @@ state and memory: between two synchronisations every rank holds its own)."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_gradcomp.checkpoint import manifest, read_shard, write_shard
+from lightning_gradcomp.checkpoint import ShardTags, manifest, on_every_rank, read_shard, refuse_other_run, write_shard
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.diloco.outer import OuterSync, check_exchange_arguments, check_outer_arguments
 from lightning_gradcomp.pipeline import pipeline_names
@@ -69,8 +68,7 @@ class DiLoCoSettings:
         self.exchange_arguments: dict[str, Any] = {} if dense else exchange
         #: the outer loop, once the strategy has its module
         self.outer_sync: OuterSync | None = None
-        self._run_tag = uuid.uuid4().hex
-        self._saves = 0
+        self._tags = ShardTags()
 
     def build_outer_sync(self, module: nn.Module) -> OuterSync:
         """The outer loop for ``module``, every rank starting from rank 0's module state (parameters, frozen ones
@@ -87,10 +85,7 @@ class DiLoCoSettings:
             self.nesterov,
             **self.exchange_arguments,
         )
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            shared: list[Any] = [self._run_tag]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            self._run_tag = shared[0]
+        self._tags.share()
         return self.outer_sync
 
     def write_diloco_shard(
@@ -105,8 +100,7 @@ class DiLoCoSettings:
         """Write this rank's shard beside ``path`` and return the manifest the checkpoint keeps under
         :data:`DILOCO_KEY`."""
         assert self.outer_sync is not None
-        self._saves += 1
-        tag = f"{self._run_tag}-{self._saves}"
+        tag = self._tags.next()
         shard = {
             "tag": tag,
             "model": module.state_dict(),
@@ -126,19 +120,10 @@ class DiLoCoSettings:
 
     def read_diloco_shard(self, path: Any, rank: int, world_size: int, saved: dict[str, Any]) -> dict[str, Any]:
         """This rank's shard of the checkpoint at ``path`` whose manifest is ``saved``; a checkpoint of another world
-        size, memory or compressor is refused by name (its state would not mean what this run's does)."""
-        if saved["world_size"] != world_size:
-            raise ValueError(
-                f"the checkpoint {path} holds the DiLoCo state of {saved['world_size']} ranks, but this run has "
-                f"{world_size}"
-            )
-        memory, compressor = self._exchange_names()
-        if (saved["memory"], saved["compressor"]) != (memory, compressor):
-            raise ValueError(
-                f"the checkpoint {path} holds the DiLoCo state of memory {saved['memory']!r} and compressor "
-                f"{saved['compressor']!r}, but this run has memory {memory!r} and compressor {compressor!r}"
-            )
-        return read_shard(path, rank, saved)
+        size, memory or compressor is refused by name (its state would not mean what this run's does), and a shard
+        missing on any rank on every rank."""
+        refuse_other_run(path, "DiLoCo state", saved, world_size, *self._exchange_names())
+        return on_every_rank(lambda: read_shard(path, rank, saved))
 
 
 def refuse_wrapper_arguments(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -38,10 +38,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_gradcomp.comm import AGGREGATORS, Aggregator, Collectives, CommCounter
+from lightning_gradcomp.comm import Aggregator, Collectives, CommCounter
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.exchange import CompressedAverage, check_flat_compressor
-from lightning_gradcomp.pipeline import build_pipeline
+from lightning_gradcomp.pipeline import aggregator_name, build_pipeline
 from lightning_gradcomp.stats import LayerStats, StepStats
 from lightning_gradcomp.validation import check_int
 
@@ -49,15 +49,6 @@ __all__ = ["ReplicaExchange"]
 
 #: The name a unit that is the root module itself goes by.
 ROOT = "<root>"
-
-
-def aggregator_name(aggregator: Any) -> str:
-    """The name of ``aggregator`` (a name or an :class:`~lightning_gradcomp.comm.Aggregator`), or a ``ValueError``."""
-    if isinstance(aggregator, str):
-        return aggregator
-    if isinstance(aggregator, Aggregator):
-        return aggregator.name
-    raise ValueError(f"aggregator must be one of {[*sorted(AGGREGATORS), 'auto']} or an Aggregator, got {aggregator!r}")
 
 
 def _check_shard_groups(units: list[tuple[str, FSDPModule]], mesh: DeviceMesh, shard_dim: str) -> None:
@@ -214,12 +205,7 @@ class ReplicaExchange:
             self.history.append(stats)
         stats.compressed |= compressed
         stats.buckets += 1
-        for key in ("numel", "dense_bytes", "numel_compressed", "payload_bytes", "selected", "bytes_sent",
-                    "bytes_received", "collectives", "nonfinite_units", "seconds_compress", "seconds_communicate",
-                    "seconds_decompress"):  # fmt: skip
-            setattr(stats, key, getattr(stats, key) + getattr(unit, key))
-        for dtype, sent in unit.bytes_sent_by_dtype.items():
-            stats.bytes_sent_by_dtype[dtype] = stats.bytes_sent_by_dtype.get(dtype, 0) + sent
+        stats.add(unit)
         if compressed:  # as the DDP hook records its compressed units
             sparse = self.average.compressor.sparse
             seen = stats.layers.get(name, LayerStats(0, 0, 0 if sparse else None))

@@ -4,7 +4,6 @@ rank's gradient shards and the units' step counts: every rank holds its own)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -13,17 +12,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-from lightning_gradcomp.checkpoint import manifest, read_shard, write_shard
+from lightning_gradcomp.checkpoint import ShardTags, manifest, on_every_rank, read_shard, refuse_other_run, write_shard
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.exchange import check_flat_compressor
-from lightning_gradcomp.hsdp.replica import ReplicaExchange, aggregator_name
+from lightning_gradcomp.hsdp.replica import ReplicaExchange
 from lightning_gradcomp.hsdp.sharding import (
     check_unit_modules,
     hsdp_mesh,
     shard_model,
     unsharded_parameters,
 )
-from lightning_gradcomp.pipeline import build_pipeline, pipeline_names
+from lightning_gradcomp.pipeline import aggregator_name, build_pipeline, pipeline_names
 from lightning_gradcomp.validation import check_bool, check_int
 
 __all__ = ["HSDP_KEY", "PRECISIONS", "REDUCE_IN_FLOAT32", "HSDPSettings", "check_precision"]
@@ -99,8 +98,7 @@ class HSDPSettings:
         self.replica_exchange: ReplicaExchange | None = None
         self._exchange_module: nn.Module | None = None
         self._mesh_shape: tuple[int, int] | None = None
-        self._run_tag = uuid.uuid4().hex
-        self._saves = 0
+        self._tags = ShardTags()
 
     def build_mesh(self, device_type: str, world_size: int, num_nodes: int) -> DeviceMesh:
         """The ``(replicate, shard)`` mesh: ``replicate_size`` replicas (one per node for ``"auto"``)."""
@@ -130,18 +128,14 @@ class HSDPSettings:
             return self.replica_exchange
         self.replica_exchange = ReplicaExchange(module, mesh, **self.exchange_arguments)
         self._exchange_module = module
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            shared: list[Any] = [self._run_tag]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            self._run_tag = shared[0]
+        self._tags.share()
         return self.replica_exchange
 
     def write_hsdp_shard(self, path: Any, rank: int, world_size: int) -> dict[str, Any]:
         """Write this rank's exchange state beside ``path`` and return the manifest the checkpoint keeps under
         :data:`HSDP_KEY`."""
         assert self.replica_exchange is not None
-        self._saves += 1
-        tag = f"{self._run_tag}-{self._saves}"
+        tag = self._tags.next()
         write_shard(path, rank, world_size, {"tag": tag, "exchange": self.replica_exchange.state_dict()})
         return {**manifest(world_size, tag, *self._names()), "mesh": list(self._mesh_shape or ())}
 
@@ -151,23 +145,9 @@ class HSDPSettings:
 
     def read_hsdp_shard(self, path: Any, rank: int, world_size: int, saved: dict[str, Any]) -> None:
         """Restore this rank's exchange state from the checkpoint at ``path`` whose manifest is ``saved``; one of
-        another world size, memory or compressor is refused by name (the shards and their memory would not match)."""
+        another world size, mesh, memory or compressor is refused by name (the shards and their memory would not
+        match), and a shard missing on any rank on every rank."""
         assert self.replica_exchange is not None
-        if saved["world_size"] != world_size:
-            raise ValueError(
-                f"the checkpoint {path} holds the HSDP exchange state of {saved['world_size']} ranks, but this run has "
-                f"{world_size} (each rank's memory belongs to its own gradient shard)"
-            )
-        if tuple(saved["mesh"]) != self._mesh_shape:
-            raise ValueError(
-                f"the checkpoint {path} holds the HSDP exchange state of a (replicate, shard) mesh "
-                f"{tuple(saved['mesh'])}, but this run's is {self._mesh_shape} (each rank's memory belongs to its own "
-                "gradient shard)"
-            )
-        memory, compressor = self._names()
-        if (saved["memory"], saved["compressor"]) != (memory, compressor):
-            raise ValueError(
-                f"the checkpoint {path} holds the HSDP exchange state of memory {saved['memory']!r} and compressor "
-                f"{saved['compressor']!r}, but this run has memory {memory!r} and compressor {compressor!r}"
-            )
-        self.replica_exchange.load_state_dict(read_shard(path, rank, saved)["exchange"])
+        mesh = ("a (replicate, shard) mesh", self._mesh_shape)
+        refuse_other_run(path, "HSDP exchange state", saved, world_size, *self._names(), mesh=mesh)
+        self.replica_exchange.load_state_dict(on_every_rank(lambda: read_shard(path, rank, saved))["exchange"])
