@@ -132,7 +132,7 @@ class ShardTags:
 
     def share(self) -> None:
         """Take rank 0's run tag (one small broadcast; nothing when not distributed)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if _distributed():
             shared: list[Any] = [self.run]
             torch.distributed.broadcast_object_list(shared, src=0)
             self.run = shared[0]
@@ -143,25 +143,42 @@ class ShardTags:
         return f"{self.run}-{self.saves}"
 
 
-def on_every_rank(read: Callable[[], T]) -> T:
-    """``read()`` (this rank's shard); a :class:`ShardError` on any rank is raised on every rank, naming each failing
-    rank's file, so that no rank goes on to a collective the others never reach (one object gather)."""
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def on_every_rank(restore: Callable[[], T]) -> T:
+    """``restore()`` (this rank's part of a restore: its shard read, checked and applied); a refusal (a
+    ``ValueError``, a :class:`ShardError` among them) on any rank is raised on every rank, each distinct reason once
+    with the ranks that gave it, so that no rank goes on to a collective the others never reach (one object gather).
+    It is a :class:`ShardError` when every failing rank's was one (those name the rank's file themselves)."""
     result, error = None, None
     try:
-        result = read()
-    except ShardError as err:
-        error = str(err)
+        result = restore()
+    except ValueError as err:
+        error = (isinstance(err, ShardError), str(err))
     errors = [error]
-    if (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    ):
+    if _distributed() and torch.distributed.get_world_size() > 1:
         errors = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(errors, error)
-    if any(errors):
-        raise ShardError("; ".join(dict.fromkeys(e for e in errors if e)))
-    return result  # type: ignore[return-value]
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if not failed:
+        return result  # type: ignore[return-value]
+    ranks_by_reason: dict[tuple[bool, str], list[int]] = {}
+    for rank, reason in failed:
+        ranks_by_reason.setdefault(reason, []).append(rank)
+    parts = [
+        text if shard or len(errors) == 1 else f"{text} (on {_ranks(ranks, len(errors))})"
+        for (shard, text), ranks in ranks_by_reason.items()
+    ]
+    message = "; ".join(parts)
+    raise ShardError(message) if all(shard for shard, _ in ranks_by_reason) else ValueError(message)
+
+
+def _ranks(ranks: list[int], world_size: int) -> str:
+    if len(ranks) == world_size:
+        return "every rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def refuse_other_run(

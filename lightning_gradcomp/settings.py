@@ -545,7 +545,8 @@ class CompressionSettings:
 
         Every rank reads its own shard; if any rank's shard is missing, unreadable or foreign, every
         rank raises the same :class:`~lightning_gradcomp.checkpoint.ShardError` naming the files, and
-        nothing is restored. A checkpoint of another world size raises a ``ValueError`` naming both, or
+        if any rank's state is refused (another memory's or schedule's), every rank raises the same
+        ``ValueError`` naming the ranks. A checkpoint of another world size raises a ``ValueError`` naming both, or
         (``on_world_size_change="reset"``) leaves the state fresh with a warning.
         """
         if saved["world_size"] != world_size:
@@ -557,13 +558,21 @@ class CompressionSettings:
                 raise ValueError(f"{message}; pass on_world_size_change='reset' to start the state afresh")
             rank_zero_warn(f"{message}: compression state (residuals, shifts, step counter) starts afresh")
             return
-        state = on_every_rank(lambda: self._read_state(checkpoint_path, saved, rank))
+        on_every_rank(lambda: self._restore_state(self._read_state(checkpoint_path, saved, rank), device))
+
+    def _restore_state(self, state: dict[str, Any], device: torch.device) -> None:
+        """Apply this rank's ``state``: a refusal (memory state of another kind, a schedule's of another) is raised
+        here, while every rank can still agree on it, also for a hook built later (its state is checked on a copy of
+        the schedule it will get)."""
         self.memory.load_state_dict({k: v.to(device) for k, v in state["memory_state"].items()})
-        if state["hook"] is not None:
-            if self.gradcomp_hook is not None:
-                self.gradcomp_hook.load_state_dict(state["hook"])
-            else:
-                self._pending_hook_state = state["hook"]
+        hook_state = state["hook"]
+        if hook_state is None:
+            return
+        if self.gradcomp_hook is not None:
+            self.gradcomp_hook.load_state_dict(hook_state)
+        else:
+            copy.deepcopy(self.schedule).load_state_dict(hook_state.get("schedule", {}))
+            self._pending_hook_state = hook_state
 
     def _read_state(self, checkpoint_path: Any, saved: dict[str, Any], rank: int) -> dict[str, Any]:
         """This rank's state from a checkpoint's ``"gradcomp"`` entry: its shard, or inline (format 1)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -88,9 +90,11 @@ def quiet_trainer(
     steps: int,
     callbacks: list[pl.Callback] | None = None,
     logger: pl.loggers.Logger | bool = False,
+    **options: Any,
 ) -> pl.Trainer:
     """A CPU Trainer of ``steps`` steps on ``world_size`` devices that prints nothing, logs only to ``logger`` and
-    checkpoints only when a ``ModelCheckpoint`` is among ``callbacks``."""
+    checkpoints only when a ``ModelCheckpoint`` is among ``callbacks``; ``options`` go to the Trainer as they are
+    (``precision``, ``plugins``)."""
     return pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -101,6 +105,7 @@ def quiet_trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        **options,
     )
 
 

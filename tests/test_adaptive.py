@@ -86,10 +86,14 @@ def test_a_checkpoint_of_another_schedule_is_refused_by_name() -> None:
         WarmupSchedule().load_state_dict(Accordion().state_dict())
 
 
-def test_a_norm_of_zero_after_zero_is_no_change() -> None:
+def test_a_norm_of_zero_after_zero_is_no_change_and_a_norm_after_zero_an_infinite_one() -> None:
+    """Catches: a regime that starts to move after an interval of norm 0 called relaxed (its change taken as 0)."""
     schedule = Accordion(interval=1)
     _feed(schedule, [0.0, 0.0, 0.0])
     assert [d.change for d in schedule.decisions] == [None, 0.0] and not schedule.critical
+    _feed(schedule, [4.0, 4.0], start=3)
+    assert schedule.decisions[2:] == [AccordionDecision(3, 0.0, 0.0, False), AccordionDecision(4, 2.0, math.inf, True)]
+    assert schedule.plan(4).regime == "critical"
 
 
 @pytest.mark.parametrize(

@@ -101,20 +101,27 @@ def test_each_rank_writes_its_own_shard_and_the_checkpoint_holds_a_manifest(two_
 def test_missing_corrupted_or_foreign_shards_fail_on_every_rank_naming_the_file(
     two_rank_checkpoints: Path, tmp_path: Path
 ) -> None:
+    """Also catches: a rank whose own shard is fine going on alone to the first collective (the other waits there until
+    the process group's timeout) when the other's shard holds state this run refuses (another schedule's)."""
     cases = {}
-    for case in ("missing", "corrupted", "foreign", "copied"):
+    for case in ("missing", "corrupted", "foreign", "copied", "refused"):
         shutil.copy(two_rank_checkpoints / "step=4.ckpt", tmp_path / f"{case}.ckpt")
         shutil.copytree(shard_dir(two_rank_checkpoints / "step=4.ckpt"), shard_dir(tmp_path / f"{case}.ckpt"))
         cases[case] = tmp_path / f"{case}.ckpt"
     Path(shard_path(cases["missing"], 1, 2)).unlink()
     Path(shard_path(cases["corrupted"], 0, 2)).write_bytes(b"not a torch file")
     shutil.copy(shard_path(two_rank_checkpoints / "step=8.ckpt", 1, 2), shard_path(cases["foreign"], 1, 2))
+    refused = torch.load(shard_path(cases["refused"], 1, 2), weights_only=True)
+    refused["hook"]["schedule"]["name"] = "accordion"  # rank 1's alone: read, it is refused by rank 1 only
+    torch.save(refused, shard_path(cases["refused"], 1, 2))
     before = _digest(tmp_path)
     linked = two_rank_checkpoints / "rolling" / "last.ckpt"  # its shards are beside the file it links to
     outcomes = run_ranks(_resume_each, 2, [*map(str, cases.values()), str(linked)], {}, init=False)
     assert _digest(tmp_path) == before  # nothing was written or removed
     for rank_outcomes in outcomes:
-        missing, corrupted, foreign, copied, last = rank_outcomes
+        missing, corrupted, foreign, copied, refused, last = rank_outcomes
+        assert refused["error"].startswith("the checkpoint holds the state of the 'accordion' schedule, but this run")
+        assert refused["error"].endswith("(on rank 1)")
         assert last["error"] is None and last["step"] == 3 * N
         assert "the compression state of rank 1 is missing" in missing["error"]
         assert shard_path(cases["missing"], 1, 2) in missing["error"]

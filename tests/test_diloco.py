@@ -400,6 +400,52 @@ def test_the_trainer_strategy_is_the_plain_loop_and_resumes_between_synchronisat
     )
 
 
+class ScaledByRank(Regression):
+    """Rank 1's loss 100 times rank 0's: under a loss scaler, its gradients overflow at a lower scale."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * (1 + 99 * self.global_rank)
+
+
+AMP_INIT_SCALE = 2.0**14
+
+
+def _amp_fit(world_size: int, steps: int, **kwargs: Any) -> dict[str, Any]:
+    """DiLoCo under ``16-mixed`` on the CPU, each rank with its own ``GradScaler`` (it grows after every step without
+    an overflow and halves at each overflow, which skips the step)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    pl.seed_everything(0, verbose=False)
+    module = ScaledByRank()
+    scaler = torch.amp.GradScaler("cpu", init_scale=AMP_INIT_SCALE, growth_interval=1)
+    precision = MixedPrecision("16-mixed", "cpu", scaler)
+    strategy = GradCompDiLoCoStrategy(sync_every=LIGHTNING_H)
+    trainer = quiet_trainer(strategy, world_size, steps, kwargs.pop("callbacks", []), plugins=[precision])
+    trainer.fit(module, DataLoader(_data(world_size), batch_size=16), **kwargs)
+    return {"weights": {k: v.detach().clone() for k, v in module.state_dict().items()}, "scaler": scaler.state_dict()}
+
+
+def _amp_runs(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    checkpoint = ModelCheckpoint(dirpath=out, filename="amp", every_n_train_steps=EPOCH, save_top_k=-1)
+    straight = _amp_fit(world_size, 2 * EPOCH)
+    stopped = _amp_fit(world_size, EPOCH, callbacks=[checkpoint])
+    torch.distributed.barrier()
+    resumed = _amp_fit(world_size, 2 * EPOCH, ckpt_path=str(Path(out) / "amp.ckpt"))
+    return {"straight": straight, "stopped": stopped["scaler"], "resumed": resumed}
+
+
+def test_a_run_under_16_mixed_resumes_each_ranks_own_loss_scaler(tmp_path: Path) -> None:
+    """Catches: each rank's scaler state left out of its shard or not restored (every rank would resume with rank 0's
+    scaler from Lightning's own checkpoint, or a fresh one, and skip other steps)."""
+    ranks = run_ranks(_amp_runs, 2, str(tmp_path), init=False)
+    scales = [rank["stopped"]["scale"] for rank in ranks]
+    assert scales[0] != scales[1] and AMP_INIT_SCALE not in scales  # the ranks' scalers moved, each its own way
+    for rank in ranks:
+        assert rank["resumed"]["scaler"] == rank["straight"]["scaler"]
+        for name, value in rank["straight"]["weights"].items():
+            assert torch.equal(value, rank["resumed"]["weights"][name]), name
+
+
 def test_the_strategy_refuses_ddp_wrapper_arguments_and_bad_outer_settings() -> None:
     with pytest.raises(ValueError, match=r"do not pass its arguments \['find_unused_parameters'\]"):
         GradCompDiLoCoStrategy(find_unused_parameters=True)

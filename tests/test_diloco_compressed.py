@@ -11,6 +11,8 @@ Trainer run also equals the plain loop; ``CompressionMonitor`` reports bytes per
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import quiet_trainer
 from ranks import run_ranks
 from test_diloco import EPOCH, CountCollectives, Regression, _data, _inner_step, _model
-from torch import nn
+from test_terngrad import Z_LIMIT
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import CompressionMonitor
@@ -77,10 +80,19 @@ def _train(rank: int, world_size: int, preset: str, stop_at: int | None = None) 
     }
 
 
-def _sparseloco_reference(world_size: int) -> list[dict[str, torch.Tensor]]:
-    """SparseLoCo (Sarfi et al., 2025, Algorithm 1) for every rank in one process, in plain torch."""
-    codec = TwoBitValues(TopKCompressor(SPARSELOCO_DENSITY))
+#: ``send(rank, synchronisation, name, e) -> sent``: what a rank's compressor makes of its error-fed outer gradient
+Send = Callable[[int, int, str, torch.Tensor], torch.Tensor]
+#: ``outer(theta_prev, mean) -> theta``: the outer optimizer's step, every tensor in parameter order
+Outer = Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
+
+
+def _compressed_diloco_reference(world_size: int, send: Send, decay: float, outer: Outer) -> list[dict[str, Tensor]]:
+    """DiLoCo (Douillard et al., 2023, Algorithm 1) with each rank's outer gradient compressed under error feedback,
+    for every rank in one process in plain torch: ``e_r = delta_r + decay e_r``; ``sent_r = send(e_r)``;
+    ``e_r -= sent_r``; the mean ``sum_r sent_r / P`` (in rank order) goes to ``outer``; the weights after every
+    synchronisation."""
     models = [_wide_model() for _ in range(world_size)]
+    names = [name for name, _ in models[0].named_parameters()]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     previous = [p.detach().clone() for p in models[0].parameters()]
     errors = [[torch.zeros_like(p) for p in previous] for _ in range(world_size)]
@@ -95,19 +107,31 @@ def _sparseloco_reference(world_size: int) -> list[dict[str, torch.Tensor]]:
             for rank in range(world_size):
                 parts = []
                 for i, p in enumerate(models[rank].parameters()):
-                    e = (previous[i] - p).add_(errors[rank][i], alpha=SPARSELOCO_EF_DECAY)  # e = delta + beta e
-                    part = codec.decompress(codec.compress(e.reshape(-1))).view_as(p)
-                    errors[rank][i] = e - part  # e -= sent
+                    e = (previous[i] - p).add_(errors[rank][i], alpha=decay)
+                    part = send(rank, (step + 1) // H - 1, names[i], e.reshape(-1)).view_as(p)
+                    errors[rank][i] = e - part
                     parts.append(part)
                 sent.append(parts)
             mean = [sum((sent[r][i] for r in range(world_size)), torch.zeros_like(previous[i])).div_(world_size)
                     for i in range(len(previous))]  # fmt: skip
-            previous = [a - m for a, m in zip(previous, mean, strict=True)]  # outer SGD, lr 1, no momentum
+            previous = outer(previous, mean)
             for model in models:
                 for p, a in zip(model.parameters(), previous, strict=True):
                     p.copy_(a)
         after_syncs.append({k: v.detach().clone() for k, v in models[0].state_dict().items()})
     return after_syncs
+
+
+def _sparseloco_reference(world_size: int) -> list[dict[str, torch.Tensor]]:
+    """SparseLoCo (Sarfi et al., 2025, Algorithm 1): Top-k with 2-bit values, ``e = delta + beta e``, outer SGD of lr 1
+    without momentum."""
+    codec = TwoBitValues(TopKCompressor(SPARSELOCO_DENSITY))
+    return _compressed_diloco_reference(
+        world_size,
+        lambda rank, synchronisation, name, e: codec.decompress(codec.compress(e)),
+        SPARSELOCO_EF_DECAY,
+        lambda previous, mean: [a - m for a, m in zip(previous, mean, strict=True)],
+    )
 
 
 def test_sparseloco_is_the_plain_torch_reference_and_sends_exactly_its_payloads() -> None:
@@ -372,19 +396,21 @@ def test_a_checkpoint_of_another_exchange_is_refused_by_name() -> None:
     saved = manifest(2, "tag", "ef", "topk+2bit")  # what ddp_diloco_topk writes
     message = r"memory 'ef' and compressor 'topk\+2bit', but this run has memory 'ef' and compressor 'qsgd'"
     with pytest.raises(ValueError, match=message):
-        strategy.read_diloco_shard("run.ckpt", 0, 2, saved)
+        strategy.read_diloco_shard("run.ckpt", 0, 2, saved, _model())
     with pytest.raises(ValueError, match="holds the DiLoCo state of 2 ranks, but this run has 3"):
-        strategy.read_diloco_shard("run.ckpt", 0, 3, saved)
+        strategy.read_diloco_shard("run.ckpt", 0, 3, saved, _model())
 
 
 class Tunable(Regression):
-    """A learning rate for the tuner, a frozen parameter and a buffer, each drawn from the rank's own seed."""
+    """A learning rate for the tuner, a frozen parameter and a buffer, each drawn from the rank's own seed (after
+    ``Regression`` seeded 0 for its weights: drawn before that, every rank's would be alike)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
         super().__init__()
         self.lr = 1e-2
-        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
-        self.register_buffer("stat", torch.randn(2))
+        generator = torch.Generator().manual_seed(rank)
+        self.frozen = nn.Parameter(torch.randn(3, generator=generator), requires_grad=False)
+        self.register_buffer("stat", torch.randn(2, generator=generator))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.net.parameters(), lr=self.lr)
@@ -405,45 +431,230 @@ class AtTrainStart(pl.Callback):
 def _tuned(rank: int, world_size: int) -> dict[str, Any]:
     from lightning.pytorch.callbacks import LearningRateFinder
 
-    torch.manual_seed(rank)  # every rank initialised apart: the strategy starts them all from rank 0's state
-    module = Tunable()
+    module = Tunable(rank)  # every rank initialised apart: the strategy starts them all from rank 0's state
     with torch.no_grad():
         for p in module.net.parameters():
             p.add_(rank)
+    drawn = {k: v.detach().clone() for k, v in module.state_dict().items()}
     start = AtTrainStart()
     strategy = GradCompDiLoCoStrategy(**{**DILOCO_PRESETS["ddp_diloco_topk"][1], "sync_every": 3})
     finder = LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=8, update_attr=False)
     trainer = quiet_trainer(strategy, world_size, 4, [finder, start])
     trainer.fit(module, DataLoader(_data(world_size), batch_size=16))
-    return start.seen
+    return {**start.seen, "drawn": drawn}
 
 
 def test_a_tuners_restore_inside_fit_puts_back_the_outer_state_and_every_rank_starts_from_rank_zeros_module() -> None:
     """Catches: the learning-rate finder's sweep (7 inner steps, 2 synchronisations) left in theta_prev and the step
-    count after the tuner restored the weights and optimizer from its checkpoint."""
+    count after the tuner restored the weights and optimizer from its checkpoint; and ranks that start DiLoCo from
+    their own frozen parameters and buffers (rank 0's not broadcast)."""
     ranks = run_ranks(_tuned, 2, init=False)
+    for name in ("frozen", "stat", "net.0.weight"):  # the ranks really started apart
+        assert not torch.equal(ranks[0]["drawn"][name], ranks[1]["drawn"][name]), name
     for seen in ranks:
         assert seen["inner_steps"] == 0 and seen["anchor_is_weights"]
         for name, value in seen["state"].items():  # frozen parameters and buffers too, as DDP starts
             assert torch.equal(value, ranks[0]["state"][name]), name
+        for name in ("frozen", "stat"):  # rank 0's own, as drawn (a tuner's restore leaves them alone)
+            assert torch.equal(seen["state"][name], ranks[0]["drawn"][name]), name
 
 
-def _read_with_rank_one_missing(rank: int, world_size: int, folder: str) -> str:
+def _read_with_one_rank_refused(rank: int, world_size: int, folder: str) -> dict[str, str]:
+    """Rank 1's shard missing; then rank 1's shard holding theta_prev of another model: what each rank raised."""
     from lightning_gradcomp.checkpoint import manifest, write_shard
 
-    path = Path(folder) / "run.ckpt"
-    if rank == 0:  # rank 1's shard is missing
-        write_shard(path, 0, world_size, {"tag": "tag"})
-    torch.distributed.barrier()
+    saved = manifest(world_size, "tag", "ef", "topk+2bit")
     strategy = GradCompDiLoCoStrategy(**DILOCO_PRESETS["ddp_diloco_topk"][1])
-    try:
-        strategy.read_diloco_shard(path, rank, world_size, manifest(world_size, "tag", "ef", "topk+2bit"))
-    except ValueError as error:  # ShardError
-        return str(error)
-    return ""
+    model = _model()
+    outer = OuterSync(model.named_parameters(), sync_every=2).state_dict()
+    wrong = {**outer, "anchor": {**outer["anchor"], "0.weight": torch.zeros(3, 3)}}
+    messages = {}
+    for case, path, shard in (("missing", Path(folder) / "missing.ckpt", outer if rank == 0 else None),
+                              ("other model", Path(folder) / "other.ckpt", outer if rank == 0 else wrong)):  # fmt: skip
+        if shard is not None:
+            write_shard(path, rank, world_size, {"tag": "tag", "outer": shard})
+        torch.distributed.barrier()
+        try:
+            strategy.read_diloco_shard(path, rank, world_size, saved, model)
+            messages[case] = ""
+        except ValueError as error:  # ShardError for the missing one
+            messages[case] = f"{type(error).__name__}: {error}"
+    return messages
 
 
-def test_a_shard_missing_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
-    # rank 0's own shard is there: without the ranks agreeing, it would go on alone to the first collective
-    for message in run_ranks(_read_with_rank_one_missing, 2, str(tmp_path)):
-        assert "the compression state of rank 1 is missing" in message
+def test_a_shard_missing_or_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Catches: a rank whose own shard is fine going on alone to the first collective (the others wait there until the
+    process group's timeout) when another rank's shard is missing or holds theta_prev of another model."""
+    for messages in run_ranks(_read_with_one_rank_refused, 2, str(tmp_path)):
+        assert messages["missing"].startswith("ShardError: the compression state of rank 1 is missing")
+        assert messages["other model"].startswith("ValueError: the saved DiLoCo state has theta_prev for")
+        assert messages["other model"].endswith("(on rank 1)")
+
+
+#: 1-level QSGD (Alistarh et al., 2017) on the whole tensor, no memory, outer SGD of lr 1: the outer step is the
+#: ranks' mean of their unbiased draws of the pseudo-gradient
+ONE_LEVEL = {"compressor": "qsgd", "compressor_kwargs": {"levels": 1, "block_size": None}, "aggregator": "allgather",
+             "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}  # fmt: skip
+DRAWS = 300
+
+
+def _pseudo_gradient() -> torch.Tensor:
+    return torch.randn(64, generator=torch.Generator().manual_seed(7))
+
+
+def _outer_steps_of_one_pseudo_gradient(rank: int, world_size: int) -> torch.Tensor:
+    """``DRAWS`` synchronisations in which every rank's pseudo-gradient is the same: the outer steps taken."""
+    parameter = nn.Parameter(torch.zeros(64))
+    sync = OuterSync([("w", parameter)], sync_every=1, **ONE_LEVEL)
+    delta = _pseudo_gradient()
+    steps = []
+    with torch.no_grad():
+        for _ in range(DRAWS):
+            sync.anchor["w"].zero_()  # theta_prev = 0 (plain outer SGD keeps no state): the step is -theta after
+            parameter.copy_(-delta)
+            sync.step()
+            steps.append(-sync.anchor["w"].clone())
+    return torch.stack(steps)
+
+
+def test_every_rank_and_every_synchronisation_draw_their_own_numbers() -> None:
+    """The mean over P ranks of independent unbiased draws has 1/P of one draw's variance: E||mean - delta||^2 is
+    sum_j (N/s)^2 u_j (1 - u_j) / P (u = s |delta| / N, Lemma 3.1), checked within Z_LIMIT standard errors of the
+    measured spread over the synchronisations. Catches: every rank seeding its streams alike (the mean of P equal
+    draws keeps one draw's variance, 3x the expected), and every synchronisation drawing the same numbers (the
+    synchronisations' outer steps all equal, no spread to average out)."""
+    world_size = 3
+    ranks = run_ranks(_outer_steps_of_one_pseudo_gradient, world_size)
+    delta = _pseudo_gradient().double()
+    u = delta.abs() / delta.norm()
+    expected = float(delta.norm() ** 2 * (u * (1 - u)).sum()) / world_size
+    for steps in ranks:
+        assert torch.equal(steps, ranks[0])  # every rank took the same outer steps
+        assert not torch.equal(steps[0], steps[1])  # successive synchronisations drew anew
+        errors = (steps.double() - delta).pow(2).sum(dim=1)
+        tolerance = Z_LIMIT * float(errors.std()) / math.sqrt(DRAWS)
+        assert abs(float(errors.mean()) - expected) <= tolerance, (float(errors.mean()), expected, tolerance)
+
+
+def _nonfinite_synchronisations(rank: int, world_size: int, preset: str) -> dict[str, Any]:
+    """A finite synchronisation, then one with a NaN (rank 0) or an Inf (rank 1) in one parameter's
+    pseudo-gradient: which memory entries moved, and the record's count of non-finite units."""
+    outcomes = {}
+    for bad, on_rank in (("nan", 0), ("inf", 1)):
+        model = _wide_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sync = OuterSync(model.named_parameters(), sync_every=1, **_preset(preset))
+        _inner_step(model, inner, rank, 0)
+        sync.step()
+        before = {k: v.clone() for k, v in sync.memory.state_dict().items()}
+        _inner_step(model, inner, rank, 1)
+        if rank == on_rank:
+            with torch.no_grad():
+                model[0].weight[3, 1] = float(bad)
+        sync.step()
+        after = sync.memory.state_dict()
+        outcomes[bad] = {
+            "moved": sorted(k for k in before if not torch.equal(before[k], after[k])),
+            "kept": sorted(k for k in before if torch.equal(before[k], after[k])),
+            "nonfinite_units": sync.last_step.nonfinite_units,
+        }
+    return outcomes
+
+
+@pytest.mark.parametrize(
+    ("preset", "moved", "kept"),
+    [
+        ("ddp_diloco_topk", ["0.bias", "2.bias", "2.weight"], ["0.weight"]),
+        ("diana-mixed", ["h/2.weight", "h_local/2.weight"], ["h/0.weight", "h_local/0.weight"]),
+    ],
+)
+def test_a_nan_or_inf_pseudo_gradient_leaves_every_ranks_memory_of_its_unit_as_it_was(
+    preset: str, moved: list[str], kept: list[str]
+) -> None:
+    """Catches: an average taken as finite whatever it holds (the other rank's residual would move by a step never
+    taken; DIANA's shifts h and h_i would turn NaN for good), and a non-finite unit not counted."""
+    for outcomes in run_ranks(_nonfinite_synchronisations, 2, preset):
+        for bad, outcome in outcomes.items():
+            assert outcome["nonfinite_units"] == 1, bad  # the one unit with the NaN/Inf; the others settled
+            assert (outcome["moved"], outcome["kept"]) == (moved, kept), bad
+
+
+def _qsgd_preset_runs(rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
+    return _train(rank, world_size, "ddp_diloco_qsgd")["after_syncs"]
+
+
+def _qsgd_paper_reference(world_size: int) -> list[dict[str, torch.Tensor]]:
+    """4-bit QSGD under plain error feedback, its draws those of (seed 0, rank, synchronisation, parameter), and the
+    paper's outer Nesterov momentum written out (Sutskever et al., 2013, as torch's SGD states it): ``v = mu v + g``,
+    ``theta = theta_prev - lr (g + mu v)``, lr 0.7, mu 0.9."""
+    from lightning_gradcomp.compressors import QSGDCompressor
+    from lightning_gradcomp.randomness import UnitStreams
+    from lightning_gradcomp.units import unit_key
+
+    codec = QSGDCompressor(**DILOCO_PRESETS["ddp_diloco_qsgd"][1]["compressor_kwargs"])
+    lr, mu = 0.7, 0.9
+    velocity: list[torch.Tensor] = []
+
+    def send(rank: int, synchronisation: int, name: str, e: torch.Tensor) -> torch.Tensor:
+        draws = UnitStreams(0, rank).generator(e.device, synchronisation, unit_key([name]))
+        return codec.decompress(codec.compress(e, draws))
+
+    def nesterov(previous: list[torch.Tensor], mean: list[torch.Tensor]) -> list[torch.Tensor]:
+        # the sums ``a + alpha * b`` written as torch's SGD takes them (one add with alpha: fused where the CPU can,
+        # so ``a - lr * b`` in two roundings differs in the last bit)
+        velocity[:] = mean if not velocity else [v.mul(mu).add(g) for v, g in zip(velocity, mean, strict=True)]
+        return [a.add(g.add(v, alpha=mu), alpha=-lr) for a, g, v in zip(previous, mean, velocity, strict=True)]
+
+    return _compressed_diloco_reference(world_size, send, 1.0, nesterov)
+
+
+def test_the_four_bit_preset_is_the_papers_loop_with_compressed_outer_gradients() -> None:
+    ranks = run_ranks(_qsgd_preset_runs, 2)
+    reference = _qsgd_paper_reference(2)
+    for after_syncs in ranks:
+        for ours, expected, rank0 in zip(after_syncs, reference, ranks[0], strict=True):
+            for name, value in ours.items():
+                assert torch.equal(value, rank0[name]), name
+                assert torch.equal(value, expected[name]), name
+
+
+class AfreshAtStart(pl.Callback):
+    """What the outer loop holds when (each) ``fit`` starts training."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync = trainer.strategy.outer_sync
+        self.seen = {
+            "inner_steps": sync.inner_steps,
+            "anchor": {name: value.clone() for name, value in sync.anchor.items()},
+            "outer_state": len(sync.outer.state),
+            "memory": len(sync.memory.state_dict()),
+            "sync": sync,
+        }
+
+
+def _fitted_twice(rank: int, world_size: int) -> dict[str, Any]:
+    strategy = GradCompDiLoCoStrategy(**{**DILOCO_PRESETS["ddp_diloco_qsgd"][1], "sync_every": LIGHTNING_H})
+    module = Regression()
+    start = AfreshAtStart()
+    trainer = quiet_trainer(strategy, world_size, EPOCH, [start])
+    trainer.fit(module, DataLoader(_data(world_size), batch_size=16))
+    first = start.seen.pop("sync")
+    ended = {f"net.{k}": v.detach().clone() for k, v in module.net.state_dict().items()}
+    memory, momentum = len(first.memory.state_dict()), len(first.outer.state)
+    trainer.fit_loop.epoch_loop.max_steps = 2 * EPOCH  # the same Trainer and strategy, fitted on
+    trainer.fit(module, DataLoader(_data(world_size), batch_size=16))
+    return {"ended": ended, "first_fit_state": (memory, momentum), "second": start.seen,
+            "new_loop": start.seen.pop("sync") is not first}  # fmt: skip
+
+
+def test_a_second_fit_on_the_same_strategy_starts_diloco_afresh_from_rank_zeros_weights() -> None:
+    """Catches: a second ``fit`` going on with the first one's step count, theta_prev, outer momentum or memory."""
+    ranks = run_ranks(_fitted_twice, 2, init=False)
+    assert not torch.equal(ranks[0]["ended"]["net.0.weight"], ranks[1]["ended"]["net.0.weight"])  # ended apart
+    for outcome in ranks:
+        assert outcome["first_fit_state"] == (4, 4)  # the first fit left residuals and momentum to forget
+        assert outcome["new_loop"]
+        second = outcome["second"]
+        assert (second["inner_steps"], second["outer_state"], second["memory"]) == (0, 0, 0)
+        for name, value in second["anchor"].items():
+            assert torch.equal(value, ranks[0]["ended"][name]), name  # rank 0's weights, on every rank

@@ -155,16 +155,16 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 
 
 def test_bad_arguments_are_value_errors_naming_them() -> None:
-    messages = run_ranks(_refusals, 4)[0]
-    assert len(messages) == 8
-    assert "needs each tensor's own shape and a warm start" in messages[0]
-    assert "aggregator='gtopk' merges sparse payloads" in messages[1]
-    assert "memory='diana' needs a compressor that is unbiased" in messages[2]
-    assert "mesh must be a 2-D device mesh with dimensions 'replicate' and 'shard'" in messages[3]
-    assert "module holds no FSDP unit" in messages[4]
-    assert "were sharded over the 2-D mesh (FSDP2's own HSDP" in messages[5]
-    assert "were sharded over other ranks than mesh['shard'] ([" in messages[6]
-    assert "the saved replica exchange has units ['_orig_mod.0#shard0'], which this model lacks" in messages[7]
+    for messages in run_ranks(_refusals, 4):
+        assert len(messages) == 8
+        assert "needs each tensor's own shape and a warm start" in messages[0]
+        assert "aggregator='gtopk' merges sparse payloads" in messages[1]
+        assert "memory='diana' needs a compressor that is unbiased" in messages[2]
+        assert "mesh must be a 2-D device mesh with dimensions 'replicate' and 'shard'" in messages[3]
+        assert "module holds no FSDP unit" in messages[4]
+        assert "were sharded over the 2-D mesh (FSDP2's own HSDP" in messages[5]
+        assert "were sharded over other ranks than mesh['shard'] ([" in messages[6]
+        assert "the saved replica exchange has units ['_orig_mod.0#shard0'], which this model lacks" in messages[7]
 
 
 def test_history_is_checked_before_anything_else() -> None:
@@ -229,3 +229,90 @@ def test_replicas_start_alike_a_layer_called_twice_records_once_a_step_and_one_r
         for name, value in rank["plain"].items():
             assert torch.equal(rank["alone"][name], value), name  # with one replica, FSDP2's own average
         assert rank["single"] == [(False, 0)] * STEPS
+
+
+def _nonfinite_steps(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """A finite step, a step with a NaN in rank 0's input, one with rank 3's loss times infinity (neither taken by the
+    optimizer, as a loss scaler skips them), then a finite step: what each moved of this rank's memory."""
+    mesh = _mesh()
+    model = _sharded(mesh, native=False)
+    exchange = ReplicaExchange(model, mesh, compressor="topk", density=0.1, memory="ef")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outcomes = []
+    for step, poison in enumerate((None, "nan", "inf", None)):
+        before = {k: v.clone() for k, v in exchange.memory.state_dict().items()}
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        if poison == "nan" and rank == 0:
+            x[0, 0] = float("nan")
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        (loss * float("inf") if poison == "inf" and rank == 3 else loss).backward()
+        if poison is None:
+            optimizer.step()
+        after = exchange.memory.state_dict()
+        outcomes.append({
+            "moved": sum(name not in before or not torch.equal(before[name], t) for name, t in after.items()),
+            "nonfinite_units": exchange.last_step.nonfinite_units,
+        })  # fmt: skip
+    return outcomes
+
+
+def test_a_nan_or_inf_gradient_shard_leaves_every_replicas_memory_as_it_was_and_is_counted() -> None:
+    """Catches: an average taken as finite whatever it holds (the replica with finite shards would move its residuals
+    by a step never taken), and the units not counted as non-finite."""
+    for outcomes in run_ranks(_nonfinite_steps, 4):
+        assert [o["moved"] for o in outcomes] == [3, 0, 0, 3]  # every unit's residual, then none, then every one
+        assert [o["nonfinite_units"] for o in outcomes] == [0, 3, 3, 0]
+
+
+def _restores(rank: int, world_size: int, folder: str) -> dict[str, str]:
+    """Each rank's exchange state written beside a checkpoint, then read back with rank 1's shard missing, and with
+    rank 2's naming a unit this model lacks; and the strategy's refusal of a parameter in no FSDP unit."""
+    from pathlib import Path
+
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gradcomp.checkpoint import read_shard, shard_path, write_shard
+    from lightning_gradcomp.hsdp.settings import HSDPSettings
+
+    settings = HSDPSettings(density=0.1)
+    mesh = settings.build_mesh("cpu", world_size, 2)
+    model = _sharded(mesh, native=False)
+    settings.install_exchange(model, mesh)
+    _train(model, rank, range(2))
+    outcomes = {}
+    for case in ("intact", "missing", "foreign unit"):
+        path = Path(folder) / f"{case}.ckpt"
+        saved = settings.write_hsdp_shard(path, rank, world_size)
+        if case == "missing" and rank == 1:
+            Path(shard_path(path, rank, world_size)).unlink()
+        if case == "foreign unit" and rank == 2:
+            shard = read_shard(path, rank, saved)
+            shard["exchange"]["steps"]["_orig_mod.0#shard0"] = 1
+            write_shard(path, rank, world_size, shard)
+        dist.barrier()
+        try:
+            settings.read_hsdp_shard(path, rank, world_size, saved)
+            outcomes[case] = ""
+        except ValueError as error:  # ShardError for the missing one
+            outcomes[case] = f"{type(error).__name__}: {error}"
+    partly = _model()
+    fully_shard(partly[0], mesh=mesh["shard"])
+    try:
+        settings.shard(partly, mesh, lightning_module=False)
+    except ValueError as error:
+        outcomes["in no unit"] = str(error)
+    return outcomes
+
+
+def test_a_shard_missing_or_refused_on_one_rank_is_refused_on_every_rank(tmp_path) -> None:
+    """Catches: the ranks whose own shard is fine going on alone to the next collective (the others wait there until
+    the process group's timeout) when one rank's shard is missing or names units this model lacks."""
+    for outcomes in run_ranks(_restores, 4, str(tmp_path)):
+        assert outcomes["intact"] == ""
+        assert outcomes["missing"].startswith("ShardError: the compression state of rank 1 is missing")
+        assert outcomes["foreign unit"] == (
+            "ValueError: the saved replica exchange has units ['_orig_mod.0#shard0'], which this model lacks: "
+            "['0#shard0', '2#shard0', '4#shard0', '<root>#shard0'] (on rank 2)"
+        )
+        assert outcomes["in no unit"].startswith("parameters ['2.weight', '2.bias', '4.weight', '4.bias'] are in no")

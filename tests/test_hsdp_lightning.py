@@ -103,7 +103,7 @@ def _fit(strategy: GradCompHSDPStrategy, module: BlocksModule, steps: int, **kwa
     weights = FullWeights()
     callbacks = [weights, *kwargs.pop("callbacks", [])]
     accumulate = kwargs.pop("accumulate_grad_batches", 1)
-    trainer = quiet_trainer(strategy, 4, steps, callbacks)
+    trainer = quiet_trainer(strategy, 4, steps, callbacks, precision=kwargs.pop("precision", "32-true"))
     trainer.accumulate_grad_batches = accumulate
     trainer.fit(module, DataLoader(_data(4, EPOCH * accumulate), batch_size=16), **kwargs)
     exchange = strategy.replica_exchange
@@ -113,6 +113,7 @@ def _fit(strategy: GradCompHSDPStrategy, module: BlocksModule, steps: int, **kwa
         "units": exchange.units,
         "history": [(s.step, s.bytes_sent, s.dense_bytes, s.collectives, sorted(s.layers)) for s in exchange.history],
         "memory": {k: v.clone() for k, v in exchange.memory.state_dict().items()},
+        "numel": sum(s.numel for s in exchange.history),
     }
 
 
@@ -146,7 +147,9 @@ def _trainer_runs(rank: int, world_size: int) -> dict[str, Any]:
         callbacks=[monitor],
     )
     summary = monitor.summary[-1]
+    bf16 = _fit(GradCompHSDPStrategy(density=0.1, replicate_size=2), BlocksModule(), 2, precision="bf16-true")
     return {
+        "bf16": bf16,
         "dense": dense,
         "native": _native_reference(dense_module.batches),
         "topk": topk,
@@ -157,6 +160,8 @@ def _trainer_runs(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_the_trainer_strategy_is_fsdp2s_own_hsdp_dense_and_keeps_replicas_alike_compressed() -> None:
+    """Also catches: units the strategy shards reducing their gradients in bf16 under ``bf16-true`` (no float32
+    reduce policy: the residual would lose small values)."""
     ranks = run_ranks(_trainer_runs, 4, init=False)
     for one, other in itertools.combinations(ranks, 2):  # every rank trains on its own share of the data
         assert not torch.equal(one["first_batch"], other["first_batch"])
@@ -182,6 +187,11 @@ def test_the_trainer_strategy_is_fsdp2s_own_hsdp_dense_and_keeps_replicas_alike_
         total = sum(s[1] for r in ranks for s in r["accumulated"]["history"])
         assert sent == pytest.approx(total / EPOCH, rel=1e-12)
         assert dense == pytest.approx(4 * dense_bytes.pop(), rel=1e-12)
+        # bf16-true: bf16 weights, but every shard the exchange got (and each residual kept for it) in float32
+        bf16 = result["bf16"]
+        assert {value.dtype for value in bf16["after"][-1].values()} == {torch.bfloat16}
+        assert sum(s[2] for s in bf16["history"]) == 4 * bf16["numel"] > 0
+        assert {value.dtype for value in bf16["memory"].values()} == {torch.float32}
 
 
 ARGUMENTS = {"compressor": "randomk", "compressor_kwargs": {"scaled": False}, "density": 0.2, "memory": "ef"}
@@ -283,6 +293,12 @@ def test_fabric_accumulates_without_exchanging_and_resumes_exactly(tmp_path: Pat
 def test_bad_arguments_are_value_errors_naming_them(strategy: type, arguments: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         strategy(**arguments)
+
+
+def test_a_replicate_size_that_does_not_divide_the_world_is_refused_before_any_mesh_is_built() -> None:
+    for strategy in (GradCompHSDPStrategy, GradCompHSDPFabricStrategy):
+        with pytest.raises(ValueError, match="replicate_size=3 must divide the world size 4"):
+            strategy(replicate_size=3).build_mesh("cpu", 4, 1)
 
 
 def test_a_lightning_module_holding_parameters_itself_is_refused_before_anything_is_sharded() -> None:

@@ -90,6 +90,20 @@ def test_bytes_that_do_not_hold_the_count_are_refused() -> None:
         decode_indices(encode_indices(torch.tensor([3, 70, 99]), 100), 100, 2)
 
 
+def test_bytes_that_hold_an_index_out_of_range_are_refused_naming_it() -> None:
+    """Catches: corrupt or foreign index bytes decoded into indices past the tensor's end (they would fail later, in
+    ``index_add_`` or as a device assert on a GPU, not with the library's message)."""
+    elias_fano = encode_indices(torch.tensor([3, 70, 99]), 100)  # l = 5: the third index's low bits are bits 10-14
+    elias_fano[1] |= 0b0111_1100  # its low bits 31 instead of 3: 3 * 32 + 31 = 127
+    with pytest.raises(ValueError, match="an index 127 is out of range for 100 elements"):
+        decode_indices(elias_fano, 100, 3)
+    bitmap = encode_indices(torch.tensor([1, 4, 9]), 10)  # a bitmap of 2 bytes: bits 10-15 lie past the end
+    assert bitmap.tolist() == [0b0001_0010, 0b0000_0010]
+    bitmap[1] = 0b0001_0000  # bit 9 moved to bit 12
+    with pytest.raises(ValueError, match="an index 12 is out of range for 10 elements"):
+        decode_indices(bitmap, 10, 3)
+
+
 @pytest.mark.parametrize("numel", [1, 1000, 61_706])
 @pytest.mark.parametrize("density", [0.001, 0.5, 1.0])
 def test_sparse_payloads_count_what_they_carry(numel: int, density: float) -> None:

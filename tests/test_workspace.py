@@ -16,6 +16,7 @@ from lightning_gradcomp.workspace import Workspace
 
 
 def test_a_buffer_is_kept_by_owner_and_role_and_replaced_only_when_its_form_changes() -> None:
+    """Catches: a buffer handed back at its old size (or dtype) after the unit's size changed."""
     space = Workspace()
     first = space.buffer(0, "mean", 10, torch.float32, torch.device("cpu"))
     assert space.buffer(0, "mean", 10, torch.float32, torch.device("cpu")) is first
@@ -27,6 +28,12 @@ def test_a_buffer_is_kept_by_owner_and_role_and_replaced_only_when_its_form_chan
     assert space.scratch(0)("wire", 10, torch.float16, torch.device("cpu")) is space.buffer(
         0, "wire", 10, torch.float16, torch.device("cpu")
     )
+    # a new size (a density that changed, a unit planned again) replaces the buffer; the kept one is that one after
+    grown = space.buffer(0, "mean", 25, torch.float16, torch.device("cpu"))
+    assert grown is not halved and grown.numel() == 25 and space.nbytes == 25 * 2 + 10 * 4 + 10 * 2
+    assert space.buffer(0, "mean", 25, torch.float16, torch.device("cpu")) is grown
+    shrunk = space.buffer(0, "mean", 4, torch.float16, torch.device("cpu"))
+    assert shrunk is not grown and shrunk.numel() == 4 and space.nbytes == 4 * 2 + 10 * 4 + 10 * 2
 
 
 @pytest.mark.parametrize("precision", [None, "fp16", "bf16"])

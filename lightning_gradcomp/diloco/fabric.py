@@ -162,7 +162,7 @@ class GradCompDiLoCoFabricStrategy(DiLoCoSettings, DDPStrategy):
                 raise RuntimeError(
                     "fabric.load of a DiLoCo checkpoint to train on needs fabric.setup(model, optimizer)"
                 )
-            shard = self.read_diloco_shard(path, self.global_rank, self.world_size, saved)
+            shard = self.read_diloco_shard(path, self.global_rank, self.world_size, saved, self._module)
             self._module.load_state_dict(shard["model"], strict=strict)
             for optimizer, optimizer_state in zip(self._optimizers, shard["optimizers"], strict=True):
                 optimizer.load_state_dict(optimizer_state)

@@ -24,7 +24,7 @@ against what plain DDP would send every step (``dense_bytes``), so a window's ra
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from lightning_gradcomp.pipeline import aggregator_name, build_pipeline
 from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.validation import check_bool, check_int, check_number
 
-__all__ = ["OuterSync", "check_exchange_arguments", "check_outer_arguments"]
+__all__ = ["OuterSync", "check_anchor", "check_exchange_arguments", "check_outer_arguments"]
 
 
 def check_outer_arguments(sync_every: int, outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
@@ -91,6 +91,15 @@ def check_exchange_arguments(
     codec = built[0]
     check_flat_compressor(codec, "DiLoCo's exchange", name)
     return built
+
+
+def check_anchor(saved: Mapping[str, Tensor], trained: Mapping[str, Tensor]) -> None:
+    """``ValueError`` unless a saved ``theta_prev`` holds the parameters ``trained`` (name: tensor), with their shapes
+    and dtypes."""
+    theirs = {name: (tuple(t.shape), t.dtype) for name, t in saved.items()}
+    here = {name: (tuple(t.shape), t.dtype) for name, t in trained.items()}
+    if theirs != here:
+        raise ValueError(f"the saved DiLoCo state has theta_prev for {theirs}, this model trains {here}")
 
 
 class OuterSync:
@@ -267,10 +276,7 @@ class OuterSync:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output."""
-        saved = {name: (tuple(t.shape), t.dtype) for name, t in state["anchor"].items()}
-        here = {name: (tuple(t.shape), t.dtype) for name, t in self.anchor.items()}
-        if saved != here:
-            raise ValueError(f"the saved DiLoCo state has theta_prev for {saved}, this model trains {here}")
+        check_anchor(state["anchor"], self.anchor)
         self.inner_steps = int(state["inner_steps"])
         for name, value in state["anchor"].items():
             self.anchor[name].copy_(value)

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_gradcomp.checkpoint import ShardTags, manifest, on_every_rank, read_shard, refuse_other_run, write_shard
 from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.diloco.outer import OuterSync, check_exchange_arguments, check_outer_arguments
+from lightning_gradcomp.diloco.outer import OuterSync, check_anchor, check_exchange_arguments, check_outer_arguments
 from lightning_gradcomp.pipeline import pipeline_names
 
 __all__ = ["DILOCO_KEY", "WRAPPER_FREE", "DiLoCoSettings", "refuse_wrapper_arguments"]
@@ -118,12 +118,22 @@ class DiLoCoSettings:
             arguments.get("compressor"), arguments.get("memory", "none"), arguments.get("wire_precision")
         )
 
-    def read_diloco_shard(self, path: Any, rank: int, world_size: int, saved: dict[str, Any]) -> dict[str, Any]:
-        """This rank's shard of the checkpoint at ``path`` whose manifest is ``saved``; a checkpoint of another world
-        size, memory or compressor is refused by name (its state would not mean what this run's does), and a shard
-        missing on any rank on every rank."""
-        refuse_other_run(path, "DiLoCo state", saved, world_size, *self._exchange_names())
-        return on_every_rank(lambda: read_shard(path, rank, saved))
+    def read_diloco_shard(
+        self, path: Any, rank: int, world_size: int, saved: dict[str, Any], module: nn.Module
+    ) -> dict[str, Any]:
+        """This rank's shard of the checkpoint at ``path`` whose manifest is ``saved``, for ``module``. Refused by name,
+        on every rank alike when any rank's is: a checkpoint of another world size, memory or compressor (its state
+        would not mean what this run's does), a shard missing, unreadable or foreign, and one whose ``theta_prev``
+        holds other parameters than ``module`` trains."""
+
+        def read() -> dict[str, Any]:
+            refuse_other_run(path, "DiLoCo state", saved, world_size, *self._exchange_names())
+            shard = read_shard(path, rank, saved)
+            trained = {name: p for name, p in module.named_parameters() if p.requires_grad}
+            check_anchor(shard["outer"]["anchor"], trained)
+            return shard
+
+        return on_every_rank(read)
 
 
 def refuse_wrapper_arguments(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:

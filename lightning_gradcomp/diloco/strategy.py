@@ -129,7 +129,9 @@ class GradCompDiLoCoStrategy(DiLoCoSettings, DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(DILOCO_KEY)
         if saved is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._pending = self.read_diloco_shard(checkpoint_path, self.global_rank, self.world_size, saved)
+            self._pending = self.read_diloco_shard(
+                checkpoint_path, self.global_rank, self.world_size, saved, self.lightning_module
+            )
         return checkpoint
 
     @override

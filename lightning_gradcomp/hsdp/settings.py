@@ -144,10 +144,16 @@ class HSDPSettings:
         return pipeline_names(arguments["compressor"], arguments["memory"], arguments["wire_precision"])
 
     def read_hsdp_shard(self, path: Any, rank: int, world_size: int, saved: dict[str, Any]) -> None:
-        """Restore this rank's exchange state from the checkpoint at ``path`` whose manifest is ``saved``; one of
-        another world size, mesh, memory or compressor is refused by name (the shards and their memory would not
-        match), and a shard missing on any rank on every rank."""
-        assert self.replica_exchange is not None
+        """Restore this rank's exchange state from the checkpoint at ``path`` whose manifest is ``saved``. Refused by
+        name, on every rank alike when any rank's is: a checkpoint of another world size, mesh, memory or compressor
+        (the shards and their memory would not match), a shard missing, unreadable or foreign, and one holding units
+        this model lacks."""
+        exchange = self.replica_exchange
+        assert exchange is not None
         mesh = ("a (replicate, shard) mesh", self._mesh_shape)
-        refuse_other_run(path, "HSDP exchange state", saved, world_size, *self._names(), mesh=mesh)
-        self.replica_exchange.load_state_dict(on_every_rank(lambda: read_shard(path, rank, saved))["exchange"])
+
+        def restore() -> None:
+            refuse_other_run(path, "HSDP exchange state", saved, world_size, *self._names(), mesh=mesh)
+            exchange.load_state_dict(read_shard(path, rank, saved)["exchange"])
+
+        on_every_rank(restore)
