@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_gradcomp.compressors.atomo import AtomoCompressor, AtomoPayload
+from lightning_gradcomp.core.compressors.atomo import AtomoCompressor, AtomoPayload
 from lightning_gradcomp.examples.models import LeNet5, ResNet20
 
 MIN_COMPRESS_NUMEL = 1024

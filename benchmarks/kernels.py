@@ -30,16 +30,16 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gradcomp.comm.gtopk import SparseSet, merge
-from lightning_gradcomp.compressors import blocks, qsgd
-from lightning_gradcomp.compressors.atomo import AtomoCompressor
-from lightning_gradcomp.compressors.base import STREAM_CHUNK
-from lightning_gradcomp.compressors.blocks import MagnitudeBlocks, streamed_above
-from lightning_gradcomp.compressors.indices import decode_indices, encode_indices
-from lightning_gradcomp.compressors.precision import scaled_cast
-from lightning_gradcomp.compressors.spectral import spectral_decomposition
-from lightning_gradcomp.compressors.ternary import stochastic_levels
-from lightning_gradcomp.compressors.topk import TopKCompressor, ascending_top_k
+from lightning_gradcomp.core.comm.gtopk import SparseSet, merge
+from lightning_gradcomp.core.compressors import blocks, qsgd
+from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
+from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks, streamed_above
+from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices
+from lightning_gradcomp.core.compressors.precision import scaled_cast
+from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
+from lightning_gradcomp.core.compressors.ternary import stochastic_levels
+from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k
 
 #: the 25.2M MLP's largest layer, 4096 x 4096
 LAYER = 4096 * 4096
@@ -162,7 +162,8 @@ def main() -> None:
 
 
 def packed_levels(levels: torch.Tensor, little_endian: bool) -> torch.Tensor:
-    """:func:`~lightning_gradcomp.compressors.qsgd.pack_levels` by the int16 lanes or by the byte-order-free form."""
+    """:func:`~lightning_gradcomp.core.compressors.qsgd.pack_levels` by the int16 lanes or by the byte-order-free
+    form."""
     saved = qsgd.LITTLE_ENDIAN
     qsgd.LITTLE_ENDIAN = little_endian
     try:

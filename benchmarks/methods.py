@@ -100,7 +100,7 @@ AFTER_WARMUPS: dict[str, Any] = {"warmup_steps": 1, "density_warmup_steps": 0, "
 def strategy_arguments(method: str) -> dict[str, Any]:
     """The ``GradCompStrategy`` arguments of one of our methods (a named strategy or a variant)."""
     from lightning_gradcomp import NAMED_STRATEGIES
-    from lightning_gradcomp.presets import preset_arguments
+    from lightning_gradcomp.ddp.presets import preset_arguments
 
     if method in VARIANTS:
         preset, changes = VARIANTS[method]
@@ -172,7 +172,7 @@ def attach(
     import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
 
     from lightning_gradcomp import GradCompStrategy
-    from lightning_gradcomp.hook import gradcomp_comm_hook
+    from lightning_gradcomp.ddp.hook import gradcomp_comm_hook
 
     if method == "dense":
         return None

@@ -140,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_gradcomp.adaptive import Accordion
+    from lightning_gradcomp.core.adaptive import Accordion
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

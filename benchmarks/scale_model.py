@@ -228,8 +228,8 @@ def hsdp_payload_bytes_per_element(numel: int = 1 << 20) -> float:
     (its compressor on a random shard: Top-k's count is fixed, so the size does not depend on the values)."""
     import torch
 
+    from lightning_gradcomp.core.pipeline_arguments import build_pipeline
     from lightning_gradcomp.hsdp import HSDP_PRESETS
-    from lightning_gradcomp.pipeline import build_pipeline
 
     arguments = HSDP_PRESETS["hsdp_topk"][1]
     codec, _ = build_pipeline(arguments["compressor"], None, arguments["density"], arguments["wire_precision"],
@@ -330,7 +330,7 @@ def measure_size(model_name: str, width: int, steps: int, batch: int, rounds: in
     from torch.nn.parallel import DistributedDataParallel
     from workloads import MODELS
 
-    from lightning_gradcomp.comm.gtopk import canonical, merge
+    from lightning_gradcomp.core.comm.gtopk import canonical, merge
 
     shape = MODELS[model_name][1]
     gen = torch.Generator().manual_seed(0)

@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gradcomp.compressors import TopKCompressor
-from lightning_gradcomp.compressors.dgc import DGCCompressor
-from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor
-from lightning_gradcomp.compressors.topk import k_for
+from lightning_gradcomp.core.compressors import TopKCompressor
+from lightning_gradcomp.core.compressors.dgc import DGCCompressor
+from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor
+from lightning_gradcomp.core.compressors.topk import k_for
 
 
 def _times(fn: Callable[[], object], repeats: int) -> list[float]:

@@ -1,7 +1,7 @@
 """What per-unit random streams cost: re-seeding a generator for every unit at every step.
 
 The hook derives each unit's generator from (seed, rank, step, unit) instead of consuming one
-generator across units (``lightning_gradcomp.randomness``). This measures, side by side in one
+generator across units (``lightning_gradcomp.core.randomness``). This measures, side by side in one
 run, the cost of that derivation per unit (SplitMix64 mix + ``manual_seed``) and per step for the
 units of real models, against what the draws themselves cost (``torch.rand`` of every compressed
 element, which TernGrad and the quantizer need anyway) on the same device.
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import build_model
 
+from lightning_gradcomp.core.randomness import UnitStreams
+from lightning_gradcomp.core.units import plan_units
 from lightning_gradcomp.examples.models import ResNet20
-from lightning_gradcomp.randomness import UnitStreams
-from lightning_gradcomp.units import plan_units
 
 
 def _best_of(fn, repeats: int, inner: int, device: torch.device) -> float:

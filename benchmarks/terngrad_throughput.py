@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gradcomp.compressors.quantizer import BlockQuantizer
-from lightning_gradcomp.compressors.terngrad import TernGradCompressor
+from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
+from lightning_gradcomp.core.compressors.terngrad import TernGradCompressor
 
 TARGET_RATIO = 8.0
 CLONE = "copy (x.clone())"

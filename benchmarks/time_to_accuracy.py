@@ -206,7 +206,7 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
     import torch
     import torch.distributed as dist
 
-    from lightning_gradcomp.torch_ddp import destroy_process_group
+    from lightning_gradcomp.ddp.torch_ddp import destroy_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

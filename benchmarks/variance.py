@@ -47,9 +47,9 @@ import torch
 from time_to_accuracy import DEFAULT_DATA, _batches, _mnist
 from workloads import build_model
 
-from lightning_gradcomp.compressors.atomo import AtomoCompressor, atomo_probabilities, sampling_variance
-from lightning_gradcomp.compressors.qsgd import DEFAULT_LEVELS, DEFAULT_QSGD_BLOCK
-from lightning_gradcomp.compressors.quantizer import DEFAULT_BLOCK_SIZE
+from lightning_gradcomp.core.compressors.atomo import AtomoCompressor, atomo_probabilities, sampling_variance
+from lightning_gradcomp.core.compressors.qsgd import DEFAULT_LEVELS, DEFAULT_QSGD_BLOCK
+from lightning_gradcomp.core.compressors.quantizer import DEFAULT_BLOCK_SIZE
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -36,9 +36,9 @@ from methods import AFTER_WARMUPS, UNNAMED_METHODS, strategy_arguments
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
+from lightning_gradcomp.core.stats import StepStats
+from lightning_gradcomp.ddp.hook import gradcomp_comm_hook
 from lightning_gradcomp.examples.models import AlexNet, ResNet20
-from lightning_gradcomp.hook import gradcomp_comm_hook
-from lightning_gradcomp.stats import StepStats
 
 MODELS = {"resnet20": ResNet20, "alexnet": AlexNet}
 #: ATOMO's exact SVD of AlexNet's 4096 x 4096 layer takes tens of seconds per rank on a CPU.

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
-from lightning_gradcomp.comm.gtopk import GTopKAggregator
-from lightning_gradcomp.compressors import TopKCompressor
-from lightning_gradcomp.compressors.topk import k_for
+from lightning_gradcomp.core.comm import AllgatherAggregator, Collectives, Contribution
+from lightning_gradcomp.core.comm.gtopk import GTopKAggregator
+from lightning_gradcomp.core.compressors import TopKCompressor
+from lightning_gradcomp.core.compressors.topk import k_for
 
 #: ResNet-20 (CIFAR-10, He et al. 2016): conv and fc weights, fc bias, batch-norm weights and biases.
 RESNET20_NUMEL = 432 + 6 * 2304 + 4608 + 5 * 9216 + 18432 + 5 * 36864 + 640 + 10 + 2 * (7 * 16 + 6 * 32 + 6 * 64)

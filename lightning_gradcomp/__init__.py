@@ -9,8 +9,8 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gradcomp.callbacks import BoundCheck, CompressionMonitor, GradientHistogram
-from lightning_gradcomp.comm import AGGREGATORS, AllgatherAggregator, AllreduceAggregator, GTopKAggregator
-from lightning_gradcomp.compressors import (
+from lightning_gradcomp.core.comm import AGGREGATORS, AllgatherAggregator, AllreduceAggregator, GTopKAggregator
+from lightning_gradcomp.core.compressors import (
     COMPRESSORS,
     AtomoCompressor,
     BlockQuantizer,
@@ -27,15 +27,15 @@ from lightning_gradcomp.compressors import (
     TwoBitValues,
     WirePrecision,
 )
+from lightning_gradcomp.core.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
+from lightning_gradcomp.core.stats import StepStats
+from lightning_gradcomp.ddp.fabric import GradCompFabricStrategy
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.ddp.presets import NAMED_STRATEGIES
+from lightning_gradcomp.ddp.strategy import GradCompStrategy
+from lightning_gradcomp.ddp.torch_ddp import make_hook
 from lightning_gradcomp.diloco import DILOCO_PRESETS, GradCompDiLoCoFabricStrategy, GradCompDiLoCoStrategy, OuterSync
-from lightning_gradcomp.fabric import GradCompFabricStrategy
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.hsdp import HSDP_PRESETS, GradCompHSDPFabricStrategy, GradCompHSDPStrategy, ReplicaExchange
-from lightning_gradcomp.memory import MEMORIES, Diana, ErrorFeedback, Memory, NoMemory
-from lightning_gradcomp.presets import NAMED_STRATEGIES
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.strategy import GradCompStrategy
-from lightning_gradcomp.torch_ddp import make_hook
 
 __version__ = "0.1.0.dev0"
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_gradcomp.torch_ddp import destroy_process_group
+from lightning_gradcomp.ddp.torch_ddp import destroy_process_group
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=60)
 

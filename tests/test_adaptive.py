@@ -12,11 +12,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.adaptive import Accordion, AccordionDecision
-from lightning_gradcomp.compressors import SparseEntries, TopKCompressor
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import ErrorFeedback
-from lightning_gradcomp.schedule import WarmupSchedule
+from lightning_gradcomp.core.adaptive import Accordion, AccordionDecision
+from lightning_gradcomp.core.compressors import SparseEntries, TopKCompressor
+from lightning_gradcomp.core.memory import ErrorFeedback
+from lightning_gradcomp.core.schedule import WarmupSchedule
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 
 def _feed(schedule: Accordion, squared_norms: list[float], start: int = 0, world_size: int = 1) -> list[str]:

@@ -20,10 +20,10 @@ from test_terngrad import assert_unbiased
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
-from lightning_gradcomp.compressors import DensePayload
-from lightning_gradcomp.compressors import atomo as atomo_module
-from lightning_gradcomp.compressors.atomo import (
+from lightning_gradcomp.core.comm import AllgatherAggregator, Collectives, Contribution
+from lightning_gradcomp.core.compressors import DensePayload
+from lightning_gradcomp.core.compressors import atomo as atomo_module
+from lightning_gradcomp.core.compressors.atomo import (
     AtomoCompressor,
     AtomoPayload,
     atomo_probabilities,
@@ -31,9 +31,9 @@ from lightning_gradcomp.compressors.atomo import (
     sampling_variance,
     spectral_decomposition,
 )
-from lightning_gradcomp.compressors.spectral import sketched_decomposition
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import NoMemory
+from lightning_gradcomp.core.compressors.spectral import sketched_decomposition
+from lightning_gradcomp.core.memory import NoMemory
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 Z = 5.0  # tolerance in standard deviations of the quantity tested
 

@@ -28,9 +28,9 @@ from lightning_gradcomp.callbacks import (
     GradientHistogram,
     layer_bounds,
 )
-from lightning_gradcomp.compressors import IdentityCompressor
-from lightning_gradcomp.compressors.indices import encoded_nbytes
-from lightning_gradcomp.compressors.topk import k_for
+from lightning_gradcomp.core.compressors import IdentityCompressor
+from lightning_gradcomp.core.compressors.indices import encoded_nbytes
+from lightning_gradcomp.core.compressors.topk import k_for
 
 TIMEOUT = timedelta(seconds=60)
 STEPS = 10
@@ -176,7 +176,7 @@ def test_histogram_pngs_are_valid_images(topk_csv_fit: list[dict[str, Any]]) -> 
 
 
 def _fit_terngrad_tensorboard(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from lightning_gradcomp.compressors.terngrad import TernGradCompressor
+    from lightning_gradcomp.core.compressors.terngrad import TernGradCompressor
 
     pl.seed_everything(0, verbose=False)
     histograms = GradientHistogram(every_n_steps=3)
@@ -191,7 +191,7 @@ def _fit_terngrad_tensorboard(rank: int, world_size: int, root: str) -> dict[str
 
 
 def test_tensorboard_events_carry_histograms_and_terngrad_ratio(tmp_path: Path) -> None:
-    pytest.importorskip("lightning_gradcomp.compressors.terngrad")
+    pytest.importorskip("lightning_gradcomp.core.compressors.terngrad")
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -331,7 +331,7 @@ def test_topk_error_meets_the_contraction_bound_exactly_at_its_worst_case() -> N
 
 
 def test_gaussiank_bound_uses_the_count_it_sent() -> None:
-    gaussiank = pytest.importorskip("lightning_gradcomp.compressors.gaussiank")
+    gaussiank = pytest.importorskip("lightning_gradcomp.core.compressors.gaussiank")
     compressor = gaussiank.GaussianKCompressor(0.01)
     x = torch.randn(20000, generator=torch.Generator().manual_seed(1))
     sent = compressor.decompress(compressor.compress(x))
@@ -356,8 +356,8 @@ def _bernoulli_error_moments(x: torch.Tensor, magnitude: torch.Tensor) -> tuple[
 def test_unbiased_bounds_hold_on_average() -> None:
     """The mean measured error of the unbiased quantizers, against its exact value within Z_LIMIT standard errors
     (the suite's false-alarm rate). Catches: an all-zero output (error 1.0 against 1.74) or a mis-scaled one."""
-    terngrad = pytest.importorskip("lightning_gradcomp.compressors.terngrad")
-    quantizer = pytest.importorskip("lightning_gradcomp.compressors.quantizer")
+    terngrad = pytest.importorskip("lightning_gradcomp.core.compressors.terngrad")
+    quantizer = pytest.importorskip("lightning_gradcomp.core.compressors.quantizer")
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(512, generator=gen)
     tern = terngrad.TernGradCompressor(clip_sigma=0.0, share_scale=False)
@@ -389,14 +389,14 @@ def test_bound_violation_error_is_a_runtime_error() -> None:
 
 def test_the_top_k_bounds_are_checked_for_the_largest_entries_only_not_a_random_draw() -> None:
     from lightning_gradcomp.callbacks.bound_check import applicable_bounds, layer_bounds
-    from lightning_gradcomp.compressors import (
+    from lightning_gradcomp.core.compressors import (
         DGCCompressor,
         GaussianKCompressor,
         RandomKCompressor,
         TopKCompressor,
         WirePrecision,
     )
-    from lightning_gradcomp.compressors.lowbit import TwoBitValues
+    from lightning_gradcomp.core.compressors.lowbit import TwoBitValues
 
     for family in (
         TopKCompressor(0.1),

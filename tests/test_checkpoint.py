@@ -24,7 +24,7 @@ from ranks import run_ranks
 from torch import nn
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, shard_dir, shard_path
+from lightning_gradcomp.core.checkpoint import CHECKPOINT_KEY, shard_dir, shard_path
 
 TIMEOUT = timedelta(seconds=60)
 N = 4  # optimizer steps per epoch: checkpoints land on epoch boundaries

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_gradcomp.catalog import gradcomp_strategies
 from lightning_gradcomp.cli import main
-from lightning_gradcomp.compare import compare_main
-from lightning_gradcomp.compressors import COMPRESSORS
+from lightning_gradcomp.cli.catalog import gradcomp_strategies
+from lightning_gradcomp.cli.compare import compare_main
+from lightning_gradcomp.core.compressors import COMPRESSORS
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -44,8 +44,20 @@ def test_help_lists_registered_strategies_and_compressors(argv: list[str], capsy
     # the presets' DDP variants, one line for all of them
     assert "<preset>_find_unused_parameters_true" in out and "ddp_topk_find_unused_parameters_true" not in out
     usage = out[out.index("usage:") :].splitlines()[0]
-    assert "{fit,validate,test,predict,compare,demo}" in usage
+    assert "{fit,validate,test,predict,compare,demo,strategies}" in usage
     assert "ddp_topk" in out and "registered strategies" in out and "compressors" in out
+
+
+def test_gradcomp_strategies_prints_every_registered_name_with_what_it_sends(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    for name in gradcomp_strategies():
+        if not name.endswith("_find_unused_parameters_true"):
+            assert re.search(rf"\b{name}\b", out), f"{name!r} missing from gradcomp strategies"
+    assert "<DDP preset>_find_unused_parameters_true" in out
+    for front_end in ("DDP hook", "DiLoCo", "HSDP"):
+        assert front_end in out
+    assert re.search(r"ddp_diloco_qsgd\s*│\s*DiLoCo\s*│\s*4\.5 every 500 steps", out)
 
 
 def _recipe(tmp_path: Path, old: str, new: str) -> Path:
@@ -240,7 +252,7 @@ def _row(strategy: str, acc: float | None, sent: float, fit: float, source: str 
 def test_compare_table_shows_each_run_against_the_dense_baseline() -> None:
     from rich.console import Console
 
-    from lightning_gradcomp.compare import comparison_table
+    from lightning_gradcomp.cli.compare import comparison_table
 
     rows = [_row("ddp", 0.8765, 1_000_000.0, 4.0, source="parameters"), _row("ddp_topk", 0.8615, 20_000.0, 5.0),
             _row("ddp_atomo", None, 1.0, 0.0, ok=False)]  # fmt: skip

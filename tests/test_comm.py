@@ -6,9 +6,9 @@ import pytest
 import torch
 from ranks import EveryRank, run_cases
 
-from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
-from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
-from lightning_gradcomp.compressors.indices import encoded_nbytes
+from lightning_gradcomp.core.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
+from lightning_gradcomp.core.compressors import IdentityCompressor, TopKCompressor
+from lightning_gradcomp.core.compressors.indices import encoded_nbytes
 
 NUMELS = (1000, 37, 4096)
 

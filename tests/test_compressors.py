@@ -7,16 +7,16 @@ import re
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import (
+from lightning_gradcomp.core.compressors import (
     COMPRESSORS,
     IdentityCompressor,
     SparsePayload,
     TopKCompressor,
     build_compressor,
 )
-from lightning_gradcomp.compressors.topk import k_for
-from lightning_gradcomp.compressors.wire import ByteReader, to_bytes
-from lightning_gradcomp.memory import ErrorFeedback, NoMemory, build_memory
+from lightning_gradcomp.core.compressors.topk import k_for
+from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.memory import ErrorFeedback, NoMemory, build_memory
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.comm.gtopk import SparseSet, merge
-from lightning_gradcomp.compressors import qsgd, ternary
-from lightning_gradcomp.compressors.atomo import AtomoCompressor
-from lightning_gradcomp.compressors.blocks import streamed_above
-from lightning_gradcomp.compressors.indices import decode_indices, encode_indices
-from lightning_gradcomp.compressors.precision import scaled_cast
-from lightning_gradcomp.compressors.topk import TopKCompressor, ascending_top_k
+from lightning_gradcomp.core.comm.gtopk import SparseSet, merge
+from lightning_gradcomp.core.compressors import qsgd, ternary
+from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
+from lightning_gradcomp.core.compressors.blocks import streamed_above
+from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices
+from lightning_gradcomp.core.compressors.precision import scaled_cast
+from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k
 
 pytestmark = [
     pytest.mark.cuda,

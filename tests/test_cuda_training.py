@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, gradcomp_comm_hook, make_hook
-from lightning_gradcomp.compressors import COMPRESSORS
-from lightning_gradcomp.memory import Diana, ErrorFeedback
+from lightning_gradcomp.core.compressors import COMPRESSORS
+from lightning_gradcomp.core.memory import Diana, ErrorFeedback
 
 
 def on_cuda(test: Callable) -> Callable:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from ranks import run_ranks
 
-from lightning_gradcomp.compressors import BlockQuantizer
-from lightning_gradcomp.memory import Diana, build_memory
+from lightning_gradcomp.core.compressors import BlockQuantizer
+from lightning_gradcomp.core.memory import Diana, build_memory
 
 
 def test_shifts_follow_the_paper_updates_exactly() -> None:
@@ -107,9 +107,9 @@ def _batch_descent(rank: int, world_size: int, steps: int) -> dict[str, list[flo
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_gradcomp.compressors import BlockQuantizer
-    from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-    from lightning_gradcomp.memory import NoMemory
+    from lightning_gradcomp.core.compressors import BlockQuantizer
+    from lightning_gradcomp.core.memory import NoMemory
+    from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
     x, y = _logistic_data(rank)
     w_star, smoothness = _optimum()

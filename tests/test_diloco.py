@@ -29,7 +29,7 @@ from ranks import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_gradcomp.comm.collectives as collectives_module
+import lightning_gradcomp.core.comm.collectives as collectives_module
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
 
 H = 5

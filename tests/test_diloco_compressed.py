@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import CompressionMonitor
-from lightning_gradcomp.compressors import TopKCompressor
-from lightning_gradcomp.compressors.lowbit import TwoBitValues
+from lightning_gradcomp.core.compressors import TopKCompressor
+from lightning_gradcomp.core.compressors.lowbit import TwoBitValues
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
 from lightning_gradcomp.diloco.presets import DILOCO_PRESETS, SPARSELOCO_DENSITY, SPARSELOCO_EF_DECAY
 
@@ -390,7 +390,7 @@ def test_fabric_runs_the_plain_loop_and_resumes_between_synchronisations(world_s
 
 
 def test_a_checkpoint_of_another_exchange_is_refused_by_name() -> None:
-    from lightning_gradcomp.checkpoint import manifest
+    from lightning_gradcomp.core.checkpoint import manifest
 
     strategy = GradCompDiLoCoStrategy(**DILOCO_PRESETS["ddp_diloco_qsgd"][1])
     saved = manifest(2, "tag", "ef", "topk+2bit")  # what ddp_diloco_topk writes
@@ -461,7 +461,7 @@ def test_a_tuners_restore_inside_fit_puts_back_the_outer_state_and_every_rank_st
 
 def _read_with_one_rank_refused(rank: int, world_size: int, folder: str) -> dict[str, str]:
     """Rank 1's shard missing; then rank 1's shard holding theta_prev of another model: what each rank raised."""
-    from lightning_gradcomp.checkpoint import manifest, write_shard
+    from lightning_gradcomp.core.checkpoint import manifest, write_shard
 
     saved = manifest(world_size, "tag", "ef", "topk+2bit")
     strategy = GradCompDiLoCoStrategy(**DILOCO_PRESETS["ddp_diloco_topk"][1])
@@ -587,9 +587,9 @@ def _qsgd_paper_reference(world_size: int) -> list[dict[str, torch.Tensor]]:
     """4-bit QSGD under plain error feedback, its draws those of (seed 0, rank, synchronisation, parameter), and the
     paper's outer Nesterov momentum written out (Sutskever et al., 2013, as torch's SGD states it): ``v = mu v + g``,
     ``theta = theta_prev - lr (g + mu v)``, lr 0.7, mu 0.9."""
-    from lightning_gradcomp.compressors import QSGDCompressor
-    from lightning_gradcomp.randomness import UnitStreams
-    from lightning_gradcomp.units import unit_key
+    from lightning_gradcomp.core.compressors import QSGDCompressor
+    from lightning_gradcomp.core.randomness import UnitStreams
+    from lightning_gradcomp.core.units import unit_key
 
     codec = QSGDCompressor(**DILOCO_PRESETS["ddp_diloco_qsgd"][1]["compressor_kwargs"])
     lr, mu = 0.7, 0.9

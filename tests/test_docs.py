@@ -9,7 +9,7 @@ import pytest
 
 import lightning_gradcomp
 import lightning_gradcomp.callbacks
-from lightning_gradcomp.comm import AGGREGATORS
+from lightning_gradcomp.core.comm import AGGREGATORS
 
 ROOT = Path(__file__).resolve().parents[1]
 CHANGELOG = (ROOT / "CHANGELOG.md").read_text()

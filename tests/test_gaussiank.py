@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import blocks as blocks_module
-from lightning_gradcomp.compressors.blocks import MagnitudeBlocks
-from lightning_gradcomp.compressors.dgc import DGCCompressor
-from lightning_gradcomp.compressors.gaussiank import GaussianKCompressor, normal_quantile, refitted
-from lightning_gradcomp.compressors.topk import ascending_top_k, k_for
+from lightning_gradcomp.core.compressors import blocks as blocks_module
+from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks
+from lightning_gradcomp.core.compressors.dgc import DGCCompressor
+from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor, normal_quantile, refitted
+from lightning_gradcomp.core.compressors.topk import ascending_top_k, k_for
 
 D = 200_000
 

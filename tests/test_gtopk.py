@@ -21,13 +21,13 @@ from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.comm import AllgatherAggregator, Collectives, Contribution
-from lightning_gradcomp.comm.gtopk import GTopKAggregator
-from lightning_gradcomp.compressors import IdentityCompressor, TopKCompressor
-from lightning_gradcomp.compressors.indices import encoded_nbytes
-from lightning_gradcomp.compressors.topk import k_for
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.core.comm import AllgatherAggregator, Collectives, Contribution
+from lightning_gradcomp.core.comm.gtopk import GTopKAggregator
+from lightning_gradcomp.core.compressors import IdentityCompressor, TopKCompressor
+from lightning_gradcomp.core.compressors.indices import encoded_nbytes
+from lightning_gradcomp.core.compressors.topk import k_for
+from lightning_gradcomp.core.memory import ErrorFeedback
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 WORLD = 8
 SIZES = tuple(range(2, WORLD + 1))

@@ -22,10 +22,10 @@ from test_sign import _Recording
 from torch.utils.data import DataLoader
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm.hierarchy import NodeLayout, NodeTopology
-from lightning_gradcomp.compressors import IdentityCompressor, TernGradCompressor, TopKCompressor
-from lightning_gradcomp.hook import GradCompHook
-from lightning_gradcomp.memory import NoMemory
+from lightning_gradcomp.core.comm.hierarchy import NodeLayout, NodeTopology
+from lightning_gradcomp.core.compressors import IdentityCompressor, TernGradCompressor, TopKCompressor
+from lightning_gradcomp.core.memory import NoMemory
+from lightning_gradcomp.ddp.hook import GradCompHook
 
 COMPRESSED = ("0.weight", "2.weight")  # the model's biases (64 and 4 elements) stay dense
 TWO_BY_TWO = (0, 0, 1, 1)  # node id of each rank

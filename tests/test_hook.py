@@ -11,12 +11,12 @@ from ranks import EveryRank, run_cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.compressors import SparseEntries, TopKCompressor
-from lightning_gradcomp.compressors.topk import k_for
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import ErrorFeedback, NoMemory
-from lightning_gradcomp.schedule import DensityWarmup
-from lightning_gradcomp.stats import StepStats, bytes_per_compressed_step
+from lightning_gradcomp.core.compressors import SparseEntries, TopKCompressor
+from lightning_gradcomp.core.compressors.topk import k_for
+from lightning_gradcomp.core.memory import ErrorFeedback, NoMemory
+from lightning_gradcomp.core.schedule import DensityWarmup
+from lightning_gradcomp.core.stats import StepStats, bytes_per_compressed_step
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 STEPS = 5
 

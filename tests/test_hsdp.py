@@ -272,7 +272,7 @@ def _restores(rank: int, world_size: int, folder: str) -> dict[str, str]:
 
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_gradcomp.checkpoint import read_shard, shard_path, write_shard
+    from lightning_gradcomp.core.checkpoint import read_shard, shard_path, write_shard
     from lightning_gradcomp.hsdp.settings import HSDPSettings
 
     settings = HSDPSettings(density=0.1)

@@ -28,7 +28,7 @@ from lightning_gradcomp import (
     GradCompHSDPFabricStrategy,
     GradCompHSDPStrategy,
 )
-from lightning_gradcomp.checkpoint import shard_path
+from lightning_gradcomp.core.checkpoint import shard_path
 from lightning_gradcomp.hsdp.sharding import shard_model
 
 EPOCH = 4  # optimizer steps per epoch on each rank

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import SparsePayload, TopKCompressor
-from lightning_gradcomp.compressors.indices import (
+from lightning_gradcomp.core.compressors import SparsePayload, TopKCompressor
+from lightning_gradcomp.core.compressors.indices import (
     decode_indices,
     encode_indices,
     encoded_nbytes,

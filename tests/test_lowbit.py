@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import GaussianKCompressor, RandomKCompressor, TopKCompressor, TwoBitValues
-from lightning_gradcomp.compressors.indices import encoded_nbytes
-from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.core.compressors import GaussianKCompressor, RandomKCompressor, TopKCompressor, TwoBitValues
+from lightning_gradcomp.core.compressors.indices import encoded_nbytes
+from lightning_gradcomp.core.memory import ErrorFeedback
 
 
 def _payload(numel: int = 20_000, density: float = 0.02, seed: int = 0):

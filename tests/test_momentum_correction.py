@@ -10,8 +10,8 @@ from models import TinyClassifier, fit
 from ranks import run_ranks
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import SparseEntries
-from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.core.compressors import SparseEntries
+from lightning_gradcomp.core.memory import ErrorFeedback
 
 TIMEOUT_S = 120
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.output_layer import OutputLayerWatch, output_layer_names, registered_last
+from lightning_gradcomp.ddp.output_layer import OutputLayerWatch, output_layer_names, registered_last
 
 VOCAB, WIDTH, CONTEXT = 96, 32, 8
 

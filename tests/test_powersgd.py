@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
-from lightning_gradcomp.compressors import DensePayload, LowRankPayload, PowerSGDCompressor
-from lightning_gradcomp.compressors.powersgd import orthogonalize_
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.core.compressors import DensePayload, LowRankPayload, PowerSGDCompressor
+from lightning_gradcomp.core.compressors.powersgd import orthogonalize_
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 STEPS = 6
 START = 2  # dense steps first (PyTorch needs start_powerSGD_iter >= 2 for its bucket-keyed state)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
-from lightning_gradcomp.compressors import (
+from lightning_gradcomp.core.compressors import (
     IdentityCompressor,
     PowerSGDCompressor,
     RandomKCompressor,
@@ -22,8 +22,8 @@ from lightning_gradcomp.compressors import (
     TwoBitValues,
     WirePrecision,
 )
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import NoMemory
+from lightning_gradcomp.core.memory import NoMemory
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -13,8 +13,8 @@ from ranks import run_ranks
 from torch import nn
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompFabricStrategy, GradCompStrategy
-from lightning_gradcomp.presets import DDP_VARIANTS, preset_arguments
-from lightning_gradcomp.strategy import UNUSED_PARAMETERS_ADVICE
+from lightning_gradcomp.ddp.presets import DDP_VARIANTS, preset_arguments
+from lightning_gradcomp.ddp.strategy import UNUSED_PARAMETERS_ADVICE
 
 
 def test_a_preset_takes_any_argument_ddp_options_included() -> None:

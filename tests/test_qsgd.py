@@ -12,9 +12,9 @@ from test_hook import _make_hook, _train
 from test_terngrad import Z_LIMIT, assert_unbiased
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import LevelsPayload, QSGDCompressor, ternary
-from lightning_gradcomp.compressors import qsgd as qsgd_module
-from lightning_gradcomp.memory import Diana
+from lightning_gradcomp.core.compressors import LevelsPayload, QSGDCompressor, ternary
+from lightning_gradcomp.core.compressors import qsgd as qsgd_module
+from lightning_gradcomp.core.memory import Diana
 
 
 def _analytic_variance(x: torch.Tensor, levels: int) -> float:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_terngrad import Z_LIMIT, assert_unbiased, reference_keep
 
-from lightning_gradcomp.compressors import ternary
-from lightning_gradcomp.compressors.quantizer import DEFAULT_BLOCK_SIZE, BlockQuantizer
-from lightning_gradcomp.compressors.ternary import num_blocks
+from lightning_gradcomp.core.compressors import ternary
+from lightning_gradcomp.core.compressors.quantizer import DEFAULT_BLOCK_SIZE, BlockQuantizer
+from lightning_gradcomp.core.compressors.ternary import num_blocks
 
 
 def _blocks(x: torch.Tensor, block_size: int | None) -> list[torch.Tensor]:

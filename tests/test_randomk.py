@@ -13,9 +13,9 @@ from test_hook import RecordingErrorFeedback, _make_hook, _train
 from test_terngrad import Z_LIMIT, assert_unbiased
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import RandomKCompressor, SparsePayload
-from lightning_gradcomp.compressors.randomk import sample_indices
-from lightning_gradcomp.memory import Diana
+from lightning_gradcomp.core.compressors import RandomKCompressor, SparsePayload
+from lightning_gradcomp.core.compressors.randomk import sample_indices
+from lightning_gradcomp.core.memory import Diana
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, 1.5, math.nan, "0.1", True])

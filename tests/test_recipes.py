@@ -20,10 +20,10 @@ from datasets import write_cifar10, write_mnist
 from ranks import run_ranks
 
 from lightning_gradcomp.cli import main, run_cli
-from lightning_gradcomp.compressors import COMPRESSORS
+from lightning_gradcomp.core.compressors import COMPRESSORS
+from lightning_gradcomp.ddp.strategy import GradCompStrategy
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy
 from lightning_gradcomp.examples.summary import RunSummary
-from lightning_gradcomp.strategy import GradCompStrategy
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))

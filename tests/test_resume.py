@@ -21,8 +21,8 @@ from models import ShuffledClassifier, fit
 from ranks import run_ranks
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
-from lightning_gradcomp.compressors import COMPRESSORS
-from lightning_gradcomp.units import plan_units
+from lightning_gradcomp.core.compressors import COMPRESSORS
+from lightning_gradcomp.core.units import plan_units
 
 TIMEOUT = timedelta(seconds=60)
 N = 4  # optimizer steps per epoch: the checkpoint lands on an epoch boundary

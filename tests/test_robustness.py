@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import TopKCompressor
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.core.compressors import TopKCompressor
+from lightning_gradcomp.core.memory import ErrorFeedback
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 TIMEOUT = timedelta(seconds=60)
 NAN_STEP = 2

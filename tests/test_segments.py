@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import DGCCompressor, GaussianKCompressor, TopKCompressor
-from lightning_gradcomp.compressors.segments import Segments, adjoining, pieces
+from lightning_gradcomp.core.compressors import DGCCompressor, GaussianKCompressor, TopKCompressor
+from lightning_gradcomp.core.compressors.segments import Segments, adjoining, pieces
 
 SIZES = (300_000, 7, 1_000_000, 4096)
 

@@ -11,11 +11,11 @@ from ranks import run_ranks
 from test_hook import _make_hook, _train
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
-from lightning_gradcomp.compressors import ScaledSignCompressor, SignPayload
-from lightning_gradcomp.compressors import sign as sign_module
-from lightning_gradcomp.compressors.sign import pack_bits, signs_of
-from lightning_gradcomp.compressors.sparse import dense_of
-from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.core.compressors import ScaledSignCompressor, SignPayload
+from lightning_gradcomp.core.compressors import sign as sign_module
+from lightning_gradcomp.core.compressors.sign import pack_bits, signs_of
+from lightning_gradcomp.core.compressors.sparse import dense_of
+from lightning_gradcomp.core.memory import ErrorFeedback
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1001])

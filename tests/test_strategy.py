@@ -11,12 +11,13 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy, TopKCompressor
-from lightning_gradcomp.adaptive import Accordion
-from lightning_gradcomp.checkpoint import ShardError
-from lightning_gradcomp.compressors import TernGradCompressor
-from lightning_gradcomp.presets import PRESET_SPARSE_DENSITY
-from lightning_gradcomp.schedule import DensityWarmup
-from lightning_gradcomp.settings import SETTINGS, CompressionSettings
+from lightning_gradcomp.core.adaptive import Accordion
+from lightning_gradcomp.core.checkpoint import ShardError
+from lightning_gradcomp.core.compressors import TernGradCompressor
+from lightning_gradcomp.core.schedule import DensityWarmup
+from lightning_gradcomp.ddp.arguments import SETTINGS
+from lightning_gradcomp.ddp.presets import PRESET_SPARSE_DENSITY
+from lightning_gradcomp.ddp.settings import CompressionSettings
 
 
 @pytest.mark.parametrize(

@@ -14,14 +14,14 @@ from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
-from lightning_gradcomp.compressors import qsgd as qsgd_module
-from lightning_gradcomp.compressors import ternary
-from lightning_gradcomp.compressors.quantizer import BlockQuantizer
-from lightning_gradcomp.compressors.ternary import pack_2bit, packed_nbytes, unpack_2bit
-from lightning_gradcomp.compressors.terngrad import TernGradCompressor
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import NoMemory
+from lightning_gradcomp.core.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
+from lightning_gradcomp.core.compressors import qsgd as qsgd_module
+from lightning_gradcomp.core.compressors import ternary
+from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
+from lightning_gradcomp.core.compressors.ternary import pack_2bit, packed_nbytes, unpack_2bit
+from lightning_gradcomp.core.compressors.terngrad import TernGradCompressor
+from lightning_gradcomp.core.memory import NoMemory
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 #: Two-sided false-alarm rate of every statistical check (seeds are fixed, so each check is deterministic).
 FALSE_ALARM = 1e-6

@@ -8,10 +8,10 @@ from ranks import EveryRank, run_cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.compressors import BlockQuantizer, TernGradCompressor
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import Diana, NoMemory
-from lightning_gradcomp.randomness import UnitStreams, stream_seed
+from lightning_gradcomp.core.compressors import BlockQuantizer, TernGradCompressor
+from lightning_gradcomp.core.memory import Diana, NoMemory
+from lightning_gradcomp.core.randomness import UnitStreams, stream_seed
+from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
 STEPS = 3
 

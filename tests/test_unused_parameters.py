@@ -1,7 +1,7 @@
 """Parameters that sit out a step under ``find_unused_parameters=True``: their memory is left as it is.
 
 DDP hands the hook zeros for a parameter this rank did not use, and keeps the average only where some rank used it
-(:mod:`lightning_gradcomp.arrivals`). An auxiliary head that every rank leaves out every other step, and a side
+(:mod:`lightning_gradcomp.ddp.arrivals`). An auxiliary head that every rank leaves out every other step, and a side
 branch that only rank 0 uses every third step, trained on 2 ranks with Top-k + error feedback, TernGrad, PowerSGD
 (compressing from the second step) and DIANA: an error-feedback residual, and DIANA's shifts ``h_i``, of a
 parameter stay bit for bit as they were over a step this rank sat it out; DIANA's averaged shift ``h`` stays where

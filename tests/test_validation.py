@@ -1,4 +1,4 @@
-"""lightning_gradcomp.validation: one rule and one message per kind of argument."""
+"""lightning_gradcomp.core.validation: one rule and one message per kind of argument."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_gradcomp.validation import check_bool, check_choice, check_density, check_int, check_number
+from lightning_gradcomp.core.validation import check_bool, check_choice, check_density, check_int, check_number
 
 
 def test_check_int_accepts_integers_from_the_minimum_and_refuses_bools_floats_and_smaller() -> None:

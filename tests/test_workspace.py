@@ -10,9 +10,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
-from lightning_gradcomp.compressors import IdentityCompressor, PowerSGDCompressor, TernGradCompressor, WirePrecision
-from lightning_gradcomp.hook import gradcomp_comm_hook
-from lightning_gradcomp.workspace import Workspace
+from lightning_gradcomp.core.compressors import (
+    IdentityCompressor,
+    PowerSGDCompressor,
+    TernGradCompressor,
+    WirePrecision,
+)
+from lightning_gradcomp.core.workspace import Workspace
+from lightning_gradcomp.ddp.hook import gradcomp_comm_hook
 
 
 def test_a_buffer_is_kept_by_owner_and_role_and_replaced_only_when_its_form_changes() -> None:

@@ -1,6 +1,6 @@
 """What the diagnostics callbacks share: argument checks, the hook lookup, captures, logging.
 
-The callbacks only *read* what :class:`~lightning_gradcomp.hook.GradCompHook` records
+The callbacks only *read* what :class:`~lightning_gradcomp.ddp.hook.GradCompHook` records
 (``StepStats`` in ``hook.history``, one-shot ``captures``); they never change how compression is
 done. Everything here runs on every rank unless stated otherwise, so collectives stay aligned.
 """
@@ -13,12 +13,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_gradcomp.core.stats import StepStats
+from lightning_gradcomp.core.units import is_compressed
+from lightning_gradcomp.ddp.hook import GradCompHook
+from lightning_gradcomp.ddp.strategy import GradCompStrategy
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
-from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.hsdp import GradCompHSDPStrategy, ReplicaExchange
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.strategy import GradCompStrategy
-from lightning_gradcomp.units import is_compressed
 
 
 def check_layer_list(name: str, layers: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -45,7 +45,7 @@ def require_strategy(trainer: pl.Trainer, owner: str) -> GradCompStrategy:
 def compressed_parameters(strategy: GradCompStrategy, pl_module: pl.LightningModule) -> dict[str, int]:
     """``name -> numel`` of the parameters the hook compresses (the others are averaged densely).
 
-    The hook's own rule (:func:`~lightning_gradcomp.units.is_compressed`); parameters without
+    The hook's own rule (:func:`~lightning_gradcomp.core.units.is_compressed`); parameters without
     gradients never reach the hook.
     """
     named = list(pl_module.named_parameters())

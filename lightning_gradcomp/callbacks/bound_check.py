@@ -54,8 +54,8 @@ from lightning_gradcomp.callbacks._common import (
     require_strategy,
     resolve_layers,
 )
-from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
+from lightning_gradcomp.core.compressors import Compressor
+from lightning_gradcomp.core.validation import check_bool, check_choice, check_int, check_number
 
 ON_VIOLATION = ("ignore", "warn", "stop", "raise")
 #: The bounds, in the order their violation counts travel between ranks.

@@ -1,6 +1,6 @@
 """``CompressionMonitor``: what compression saves and what it costs, logged while training runs.
 
-Every number comes from the hook's per-step record (:class:`~lightning_gradcomp.stats.StepStats`):
+Every number comes from the hook's per-step record (:class:`~lightning_gradcomp.core.stats.StepStats`):
 bytes are those the comm layer counted as handed to collectives (padding and size exchanges
 included), never a formula, so the logged compression ratio is the measured one.
 """
@@ -23,9 +23,9 @@ from lightning_gradcomp.callbacks._common import (
     recorder_of,
     require_recording_strategy,
 )
+from lightning_gradcomp.core.stats import StepStats
+from lightning_gradcomp.core.validation import check_bool, check_int
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.validation import check_bool, check_int
 
 
 @dataclass
@@ -129,7 +129,7 @@ class CompressionMonitor(pl.Callback):
     """Logs bytes, compression ratio, density, time shares and residual norm every ``every_n_steps`` steps.
 
     Every ``every_n_steps`` optimizer steps (and once more at the end of training for the steps
-    left over) each rank sums the hook's :class:`~lightning_gradcomp.stats.StepStats` of the steps
+    left over) each rank sums the hook's :class:`~lightning_gradcomp.core.stats.StepStats` of the steps
     since the last log, the ranks' sums are gathered to rank 0 (one small ``all_gather``), and
     rank 0 writes to every logger of the trainer (values per step, averaged over the window):
 

@@ -31,8 +31,8 @@ from lightning_gradcomp.callbacks._common import (
     require_strategy,
     resolve_layers,
 )
-from lightning_gradcomp.stats import Capture
-from lightning_gradcomp.validation import check_choice, check_int
+from lightning_gradcomp.core.stats import Capture
+from lightning_gradcomp.core.validation import check_choice, check_int
 
 BACKENDS = ("auto", "tensorboard", "png")
 #: The captured tensors drawn, in panel order.

@@ -1,6 +1,7 @@
 """DiLoCo: local SGD with an outer optimizer, synchronising every ``H`` inner steps (a front end beside the DDP
-hook, over the same core: :class:`~lightning_gradcomp.exchange.CompressedAverage` for a compressed exchange,
-:mod:`lightning_gradcomp.comm` for its byte count, the per-rank shards of :mod:`lightning_gradcomp.checkpoint`)."""
+hook, over the same core: :class:`~lightning_gradcomp.core.flat_average.CompressedAverage` for a compressed exchange,
+:mod:`lightning_gradcomp.core.comm` for its byte count, the per-rank shards of
+:mod:`lightning_gradcomp.core.checkpoint`)."""
 
 from lightning_gradcomp.diloco.fabric import GradCompDiLoCoFabricStrategy
 from lightning_gradcomp.diloco.outer import OuterSync

@@ -25,7 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.core.compressors import Compressor
 from lightning_gradcomp.diloco.presets import DILOCO_PRESETS
 from lightning_gradcomp.diloco.settings import DILOCO_KEY, DiLoCoSettings
 

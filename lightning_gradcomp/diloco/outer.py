@@ -13,10 +13,10 @@ the result kept as the next ``theta_prev``; the gradients dropped. Tensors of on
 (torchft sends each parameter on its own; on two ranks the sums are the same element by element, on more gloo may
 add the ranks in another order).
 
-Given a ``compressor``, the pseudo-gradient is averaged through it instead, with a ``memory`` (error feedback,
-with SparseLoCo's decay; DIANA) and an aggregator (:class:`~lightning_gradcomp.exchange.CompressedAverage`):
-SparseLoCo (Sarfi et al., 2025, arXiv 2508.15706) is Top-k with 2-bit values under error feedback with decay, and
-a plain outer SGD step (no momentum) of lr 1. Every inner step leaves a :class:`~lightning_gradcomp.stats.StepStats`
+Given a ``compressor``, the pseudo-gradient is averaged through it instead, with a ``memory`` (error feedback, with
+SparseLoCo's decay; DIANA) and an aggregator (:class:`~lightning_gradcomp.core.flat_average.CompressedAverage`):
+SparseLoCo (Sarfi et al., 2025, arXiv 2508.15706) is Top-k with 2-bit values under error feedback with decay, and a
+plain outer SGD step (no momentum) of lr 1. Every inner step leaves a :class:`~lightning_gradcomp.core.stats.StepStats`
 in :attr:`OuterSync.history`: no bytes between synchronisations, the synchronisation's counted bytes at its step,
 against what plain DDP would send every step (``dense_bytes``), so a window's ratio is the saving per inner step.
 """
@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gradcomp.comm import Aggregator, Collectives, CommCounter
-from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.exchange import CompressedAverage, check_flat_compressor
-from lightning_gradcomp.memory import Memory, NoMemory
-from lightning_gradcomp.pipeline import aggregator_name, build_pipeline
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.validation import check_bool, check_int, check_number
+from lightning_gradcomp.core.comm import Aggregator, Collectives, CommCounter
+from lightning_gradcomp.core.compressors import Compressor
+from lightning_gradcomp.core.flat_average import CompressedAverage, check_flat_compressor
+from lightning_gradcomp.core.memory import Memory, NoMemory
+from lightning_gradcomp.core.pipeline_arguments import aggregator_name, build_pipeline
+from lightning_gradcomp.core.stats import StepStats
+from lightning_gradcomp.core.validation import check_bool, check_int, check_number
 
 __all__ = ["OuterSync", "check_anchor", "check_exchange_arguments", "check_outer_arguments"]
 
@@ -124,7 +124,7 @@ class OuterSync:
             ``aggregator``, validated as the DDP strategies validate them.
         min_compress_numel: parameters with fewer elements are averaged densely (compressed exchange only).
         seed: base seed of the compressor's random streams, a function of (seed, rank, synchronisation, unit).
-        history: how many inner steps' :class:`~lightning_gradcomp.stats.StepStats` to keep.
+        history: how many inner steps' :class:`~lightning_gradcomp.core.stats.StepStats` to keep.
     """
 
     def __init__(

@@ -4,15 +4,27 @@ state and memory: between two synchronisations every rank holds its own)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.checkpoint import ShardTags, manifest, on_every_rank, read_shard, refuse_other_run, write_shard
-from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.core.checkpoint import (
+    ShardTags,
+    manifest,
+    on_every_rank,
+    read_shard,
+    refuse_other_run,
+    write_shard,
+)
+from lightning_gradcomp.core.compressors import Compressor
+from lightning_gradcomp.core.pipeline_arguments import pipeline_names
+from lightning_gradcomp.core.presets import FromPreset, refuse_unknown
 from lightning_gradcomp.diloco.outer import OuterSync, check_anchor, check_exchange_arguments, check_outer_arguments
-from lightning_gradcomp.pipeline import pipeline_names
+from lightning_gradcomp.diloco.presets import DILOCO_PRESETS
 
 __all__ = ["DILOCO_KEY", "WRAPPER_FREE", "DiLoCoSettings", "refuse_wrapper_arguments"]
 
@@ -23,8 +35,9 @@ WRAPPER_FREE = ("accelerator", "parallel_devices", "cluster_environment", "check
                 "process_group_backend", "timeout", "start_method")  # fmt: skip
 
 
-class DiLoCoSettings:
-    """DiLoCo's arguments (those of :class:`~lightning_gradcomp.diloco.OuterSync`), validated once.
+class DiLoCoSettings(FromPreset):
+    """DiLoCo's arguments (those of :class:`~lightning_gradcomp.diloco.OuterSync`), validated once; the strategies'
+    ``from_preset(name, **overrides)`` changes any of a named strategy's (:data:`DILOCO_PRESETS`).
 
     Args:
         sync_every: optimizer steps between synchronisations (``H``, at least 1).
@@ -38,6 +51,14 @@ class DiLoCoSettings:
         min_compress_numel: parameters with fewer elements are averaged densely (compressed exchange only).
         seed: base seed of the compressor's random streams.
     """
+
+    presets = DILOCO_PRESETS
+
+    @classmethod
+    def preset_keywords(cls) -> set[str]:
+        """DiLoCo's arguments, the strategy's own (``timeout``, ...) and ``DistributedDataParallel``'s, which the
+        strategy refuses by name (there is no wrapper)."""
+        return super().preset_keywords() | set(WRAPPER_FREE) | _wrapper_keywords()
 
     def __init__(
         self,
@@ -136,13 +157,20 @@ class DiLoCoSettings:
         return on_every_rank(read)
 
 
-def refuse_wrapper_arguments(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` without a config parser's ``None``\\s, or a ``ValueError`` naming ``DistributedDataParallel``'s
-    arguments among them (DiLoCo trains without the wrapper)."""
-    wrapper = sorted(k for k, value in kwargs.items() if k not in WRAPPER_FREE and value is not None)
-    if wrapper:
+def refuse_wrapper_arguments(owner: type[DiLoCoSettings], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without a config parser's ``None``\\s, or a ``ValueError`` naming the arguments among them that
+    ``owner`` does not take (misspelt), or that are ``DistributedDataParallel``'s (DiLoCo trains without the
+    wrapper)."""
+    given = sorted(k for k, value in kwargs.items() if k not in WRAPPER_FREE and value is not None)
+    refuse_unknown(owner.__name__, [k for k in given if k not in _wrapper_keywords()], owner.preset_keywords())
+    if given:
         raise ValueError(
-            f"{owner} trains without a DistributedDataParallel wrapper (inner steps exchange nothing); do not pass "
-            f"its arguments {wrapper}"
+            f"{owner.__name__} trains without a DistributedDataParallel wrapper (inner steps exchange nothing); do not "
+            f"pass its arguments {given}"
         )
     return {k: value for k, value in kwargs.items() if k in WRAPPER_FREE}
+
+
+def _wrapper_keywords() -> set[str]:
+    """``DistributedDataParallel``'s keywords and the DDP strategy's, which a DDP strategy would take."""
+    return set(inspect.signature(DistributedDataParallel).parameters) | set(inspect.signature(DDPStrategy).parameters)

@@ -4,7 +4,7 @@ Each rank trains its own copy of the model (no ``DistributedDataParallel``: inne
 share of the data, and after every ``sync_every``-th optimizer step :class:`~lightning_gradcomp.diloco.OuterSync`
 averages the pseudo-gradient over the ranks and takes the outer step. Between two synchronisations the ranks hold
 different weights and inner optimizer states, so a checkpoint keeps each rank's own beside it (one shard per rank,
-as the compression state of the DDP strategies: :mod:`lightning_gradcomp.checkpoint`), with ``theta_prev``, the
+as the compression state of the DDP strategies: :mod:`lightning_gradcomp.core.checkpoint`), with ``theta_prev``, the
 outer optimizer's state, the memory of a compressed exchange and the precision plugin's (each rank's loss scaler
 sees its own gradients); a resumed run goes on from exactly where each rank was. Buffers (BatchNorm's statistics)
 stay each rank's own, as in torchft's DiLoCo. The checkpoint's weights, and what ``trainer.validate`` evaluates
@@ -24,8 +24,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_gradcomp.checkpoint import remove_shards
-from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.core.checkpoint import remove_shards
+from lightning_gradcomp.core.compressors import Compressor
 from lightning_gradcomp.diloco.presets import DILOCO_PRESETS
 from lightning_gradcomp.diloco.settings import DILOCO_KEY, DiLoCoSettings, refuse_wrapper_arguments
 
@@ -65,7 +65,7 @@ class GradCompDiLoCoStrategy(DiLoCoSettings, DDPStrategy):
             self, sync_every, outer_lr, outer_momentum, nesterov, compressor, compressor_kwargs, density,
             wire_precision, memory, memory_kwargs, aggregator, min_compress_numel, seed,
         )  # fmt: skip
-        DDPStrategy.__init__(self, **refuse_wrapper_arguments(type(self).__name__, kwargs))
+        DDPStrategy.__init__(self, **refuse_wrapper_arguments(type(self), kwargs))
         self._pending: dict[str, Any] | None = None
 
     @override

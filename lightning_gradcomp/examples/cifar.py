@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.core.validation import check_bool, check_int
 from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataError
-from lightning_gradcomp.validation import check_bool, check_int
 
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch"

@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_gradcomp  # noqa: F401  (registers the named strategies with Fabric)
+from lightning_gradcomp.core.stats import bytes_per_compressed_step
+from lightning_gradcomp.ddp.torch_ddp import destroy_process_group
 from lightning_gradcomp.examples.teacher import teacher_dataset
-from lightning_gradcomp.stats import bytes_per_compressed_step
-from lightning_gradcomp.torch_ddp import destroy_process_group
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
-from lightning_gradcomp.stats import bytes_per_compressed_step
+from lightning_gradcomp.core.stats import bytes_per_compressed_step
 
 #: Tokens of the built-in task.
 VOCAB = 128

@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.core.validation import check_choice, check_int
 from lightning_gradcomp.examples.datafiles import CorruptDataError, MissingDataError
-from lightning_gradcomp.validation import check_choice, check_int
 
 #: File stems of each split, as distributed by the dataset's authors (``.gz`` or uncompressed).
 MNIST_FILES = {

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lightning_gradcomp.validation import check_int, check_number
+from lightning_gradcomp.core.validation import check_int, check_number
 
 
 class LeNet5(nn.Module):

@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from rich.console import Console
 from rich.table import Table
 
-from lightning_gradcomp.validation import check_bool
+from lightning_gradcomp.core.validation import check_bool
 
 #: Where the bytes of a summary come from.
 BYTES_FROM_HOOK = "hook"

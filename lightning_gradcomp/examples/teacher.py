@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
-from lightning_gradcomp.validation import check_int, check_number
+from lightning_gradcomp.core.validation import check_int, check_number
 
 
 def teacher_dataset(n: int, features: int, classes: int, seed: int) -> TensorDataset:

@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
+from lightning_gradcomp.core.stats import bytes_per_compressed_step
+from lightning_gradcomp.ddp.torch_ddp import destroy_process_group
 from lightning_gradcomp.examples.teacher import teacher_dataset
-from lightning_gradcomp.stats import bytes_per_compressed_step
-from lightning_gradcomp.torch_ddp import destroy_process_group
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,10 +21,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.core.compressors import Compressor
+from lightning_gradcomp.core.validation import check_bool
 from lightning_gradcomp.hsdp.presets import HSDP_PRESETS
 from lightning_gradcomp.hsdp.settings import HSDP_KEY, HSDPSettings, check_precision
-from lightning_gradcomp.validation import check_bool
 
 __all__ = ["GradCompHSDPFabricStrategy"]
 

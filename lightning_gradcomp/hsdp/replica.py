@@ -5,15 +5,15 @@ reduce-scatters each unit's gradients inside the shard group and hands the hook 
 ``FSDPModule.set_all_reduce_hook`` the unit's flat, padded shard, averaged over the shard group; the hook must average
 it across the replicas in place (PyTorch's "custom HSDP"; torch 2.13, ``_fsdp_collectives.foreach_reduce``). Here
 that average goes through a compressor, a memory and an aggregator
-(:class:`~lightning_gradcomp.exchange.CompressedAverage`): the exchange between replicas, usually the slow link
+(:class:`~lightning_gradcomp.core.flat_average.CompressedAverage`): the exchange between replicas, usually the slow link
 between nodes, is the traffic compressed; inside a node FSDP's own reduce-scatter stays dense. A shard's memory (an
 error-feedback residual) lives with the rank that owns the shard, keyed by the unit's name and the shard's index, and
 its random streams by (seed, replica, step, unit and shard).
 
 Every replica starts from the first replica's shards (broadcast when the exchange is installed, as DDP starts from
 rank 0's weights; buffers stay each rank's own, as under FSDP2). Each backward pass that exchanges leaves one
-:class:`~lightning_gradcomp.stats.StepStats` in ``history``: every unit's exchange summed, each compressed unit's share
-in ``layers``. With one replica nothing is exchanged (the shards stay as FSDP2 averaged them).
+:class:`~lightning_gradcomp.core.stats.StepStats` in ``history``: every unit's exchange summed, each compressed unit's
+share in ``layers``. With one replica nothing is exchanged (the shards stay as FSDP2 averaged them).
 
 What FSDP2 hands the hook sets three rules: gradient accumulation skips the reduce-scatter with
 ``set_requires_gradient_sync(False)`` on the micro-batches (``set_requires_all_reduce(False)`` does not stop a hook:
@@ -38,12 +38,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_gradcomp.comm import Aggregator, Collectives, CommCounter
-from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.exchange import CompressedAverage, check_flat_compressor
-from lightning_gradcomp.pipeline import aggregator_name, build_pipeline
-from lightning_gradcomp.stats import LayerStats, StepStats
-from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.core.comm import Aggregator, Collectives, CommCounter
+from lightning_gradcomp.core.compressors import Compressor
+from lightning_gradcomp.core.flat_average import CompressedAverage, check_flat_compressor
+from lightning_gradcomp.core.pipeline_arguments import aggregator_name, build_pipeline
+from lightning_gradcomp.core.stats import LayerStats, StepStats
+from lightning_gradcomp.core.validation import check_int
 
 __all__ = ["ReplicaExchange"]
 

@@ -12,9 +12,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-from lightning_gradcomp.checkpoint import ShardTags, manifest, on_every_rank, read_shard, refuse_other_run, write_shard
-from lightning_gradcomp.compressors import Compressor
-from lightning_gradcomp.exchange import check_flat_compressor
+from lightning_gradcomp.core.checkpoint import (
+    ShardTags,
+    manifest,
+    on_every_rank,
+    read_shard,
+    refuse_other_run,
+    write_shard,
+)
+from lightning_gradcomp.core.compressors import Compressor
+from lightning_gradcomp.core.flat_average import check_flat_compressor
+from lightning_gradcomp.core.pipeline_arguments import aggregator_name, build_pipeline, pipeline_names
+from lightning_gradcomp.core.presets import FromPreset
+from lightning_gradcomp.core.validation import check_bool, check_int
+from lightning_gradcomp.hsdp.presets import HSDP_PRESETS
 from lightning_gradcomp.hsdp.replica import ReplicaExchange
 from lightning_gradcomp.hsdp.sharding import (
     check_unit_modules,
@@ -22,8 +33,6 @@ from lightning_gradcomp.hsdp.sharding import (
     shard_model,
     unsharded_parameters,
 )
-from lightning_gradcomp.pipeline import aggregator_name, build_pipeline, pipeline_names
-from lightning_gradcomp.validation import check_bool, check_int
 
 __all__ = ["HSDP_KEY", "PRECISIONS", "REDUCE_IN_FLOAT32", "HSDPSettings", "check_precision"]
 
@@ -43,8 +52,9 @@ def check_precision(precision: str, owner: str) -> None:
         raise ValueError(f"{owner} does not support precision={precision!r}; choose one of {list(PRECISIONS)}")
 
 
-class HSDPSettings:
-    """Compressed HSDP's arguments, validated once.
+class HSDPSettings(FromPreset):
+    """Compressed HSDP's arguments, validated once; the strategies' ``from_preset(name, **overrides)`` changes any of a
+    named strategy's (:data:`~lightning_gradcomp.hsdp.presets.HSDP_PRESETS`).
 
     Args:
         compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, aggregator: the replica
@@ -61,6 +71,8 @@ class HSDPSettings:
         reshard_after_forward: ``fully_shard``'s: free the gathered parameters after the forward (ZeRO-3) or keep
             them until the backward (ZeRO-2, one all-gather fewer).
     """
+
+    presets = HSDP_PRESETS
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ and every unit's gradient shard is averaged between the replicas (across the nod
 ``fully_shard(..., mesh=self.device_mesh["shard"])``, or, when it made none, the model's blocks
 (:mod:`lightning_gradcomp.hsdp.sharding`). Every rank trains on its own share of the data. A checkpoint is Lightning's
 (a distributed checkpoint folder by default) plus each rank's exchange state beside it (the memory of its gradient
-shards and the units' step counts, :mod:`lightning_gradcomp.checkpoint`), so a resumed run goes on exactly.
+shards and the units' step counts, :mod:`lightning_gradcomp.core.checkpoint`), so a resumed run goes on exactly.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_gradcomp.checkpoint import remove_shards
-from lightning_gradcomp.compressors import Compressor
+from lightning_gradcomp.core.checkpoint import remove_shards
+from lightning_gradcomp.core.compressors import Compressor
+from lightning_gradcomp.core.validation import check_bool
 from lightning_gradcomp.hsdp.presets import HSDP_PRESETS
 from lightning_gradcomp.hsdp.settings import HSDP_KEY, HSDPSettings, check_precision
-from lightning_gradcomp.validation import check_bool
 
 __all__ = ["GradCompHSDPStrategy"]
 

@@ -1,0 +1,30 @@
+"""Moving payloads between ranks, counting every byte handed to a collective."""
+
+from lightning_gradcomp.core.comm.aggregators import (
+    AGGREGATORS,
+    Aggregate,
+    Aggregator,
+    AllgatherAggregator,
+    AllreduceAggregator,
+    Contribution,
+    Pending,
+)
+from lightning_gradcomp.core.comm.collectives import Collectives, InFlight
+from lightning_gradcomp.core.comm.counter import CommCounter
+from lightning_gradcomp.core.comm.gtopk import GTopKAggregator
+
+AGGREGATORS[GTopKAggregator.name] = GTopKAggregator
+
+__all__ = [
+    "AGGREGATORS",
+    "Aggregate",
+    "Aggregator",
+    "AllgatherAggregator",
+    "AllreduceAggregator",
+    "Collectives",
+    "CommCounter",
+    "Contribution",
+    "GTopKAggregator",
+    "InFlight",
+    "Pending",
+]

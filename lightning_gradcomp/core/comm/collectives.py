@@ -1,0 +1,169 @@
+"""The collectives the aggregators use, each counted in a :class:`CommCounter`.
+
+Every collective can be launched without waiting (``*_start``, an :class:`InFlight`), which is how
+the hook lets a compressed bucket's exchange run while the backward pass goes on; the plain calls
+launch and wait at once. Bytes are counted at launch, time while this rank is blocked waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp.core.comm.counter import CommCounter
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class InFlight(Generic[T]):
+    """A launched collective: :meth:`wait` blocks until it has completed and returns its result.
+
+    The time spent blocked is added to the counter's seconds (the bytes were counted at launch).
+    ``then`` turns the raw output into the result (trimming padding, for instance).
+    """
+
+    def __init__(self, work: dist.Work, output: Tensor, counter: CommCounter, then: Callable[[Tensor], T]) -> None:
+        self._work: dist.Work | None = work
+        self._output = output
+        self._counter = counter
+        self._then = then
+
+    def wait(self) -> T:
+        if self._work is not None:
+            start = time.perf_counter()
+            self._work.wait()
+            self._counter.seconds += time.perf_counter() - start
+            self._work = None
+        return self._then(self._output)
+
+    def then(self, fn: Callable[[T], U]) -> InFlight[U]:
+        """The same collective, its result passed through ``fn`` (use it instead of this one)."""
+        first = self._then
+        return InFlight(self._work, self._output, self._counter, lambda output: fn(first(output)))
+
+
+class Collectives:
+    """Counted collectives over one process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, counter: CommCounter | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.counter = counter if counter is not None else CommCounter()
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+
+    def all_reduce_(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        """Reduce ``tensor`` in place across ranks and return it."""
+        return self.all_reduce_start(tensor, op).wait()
+
+    def all_reduce_start(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> InFlight[Tensor]:
+        """Launch the in-place reduction of ``tensor``; ``wait()`` returns the reduced tensor."""
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.counter.record(nbytes, nbytes, 0.0, dtype_name(tensor))
+        return InFlight(work, tensor, self.counter, _same)
+
+    def all_reduce_async(self, tensor: Tensor) -> torch.futures.Future[Tensor]:
+        """Sum ``tensor`` in place across ranks without waiting: a future of the reduced tensor.
+
+        The bytes are counted at launch; the time overlaps the backward pass (as DDP's own
+        allreduce does) and is not attributed.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self.counter.record(nbytes, nbytes, 0.0, dtype_name(tensor))
+        return work.get_future().then(lambda done: done.value()[0])
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """Gather equal-size 1-D tensors: row ``r`` of the result is rank ``r``'s tensor.
+
+        Never call it with an empty tensor (gloo hangs): :meth:`all_gather_bytes` pads for that.
+        """
+        return self.all_gather_start(tensor).wait()
+
+    def all_gather_start(self, tensor: Tensor, rows: Tensor | None = None) -> InFlight[Tensor]:
+        """Launch :meth:`all_gather`; ``wait()`` returns the ``(world_size, numel)`` rows.
+
+        ``rows``, when given, is the flat output, and ``tensor`` may be this rank's row of it (gathered in place).
+        """
+        numel = tensor.numel()
+        out = torch.empty(self.world_size * numel, dtype=tensor.dtype, device=tensor.device) if rows is None else rows
+        work = _all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
+        nbytes = numel * tensor.element_size()
+        self.counter.record(nbytes, out.numel() * out.element_size(), 0.0, dtype_name(tensor))
+        return InFlight(work, out, self.counter, lambda gathered: gathered.view(self.world_size, numel))
+
+    def all_gather_bytes(
+        self,
+        buffer: Tensor | Sequence[Tensor],
+        sizes: list[int] | None = None,
+        rows: Callable[[int], Tensor] | None = None,
+    ) -> list[Tensor]:
+        """Gather a uint8 buffer of any length (zero included) from every rank.
+
+        ``buffer`` may be given in parts (1-D uint8), which are written end to end straight into this rank's row
+        of the output (no joined copy of them). ``sizes``, when every rank already knows every rank's length,
+        saves the size exchange; otherwise the lengths are gathered first. Buffers are padded to the longest
+        (and to at least one byte, since gloo hangs on empty tensors) and trimmed on return. ``rows``: see
+        :meth:`all_gather_bytes_start`.
+        """
+        return self.all_gather_bytes_start(buffer, sizes, rows).wait()
+
+    def all_gather_bytes_start(
+        self,
+        buffer: Tensor | Sequence[Tensor],
+        sizes: list[int] | None = None,
+        rows: Callable[[int], Tensor] | None = None,
+    ) -> InFlight[list[Tensor]]:
+        """Launch :meth:`all_gather_bytes` (a size exchange, when needed, is waited for first).
+
+        ``rows(numel)``, when given, returns the flat uint8 tensor the bytes are gathered into (a kept buffer: no
+        allocation per call); the rows returned are views of it.
+        """
+        parts = [buffer] if isinstance(buffer, Tensor) else list(buffer)
+        if not parts:
+            raise ValueError("buffer must be a tensor or a non-empty sequence of tensors, got no parts")
+        if any(p.dtype != torch.uint8 or p.dim() != 1 for p in parts):
+            shapes = [(p.dtype, tuple(p.shape)) for p in parts]
+            raise ValueError(f"buffer must be 1-D uint8 tensors, got (dtype, shape) {shapes}")
+        numel = sum(p.numel() for p in parts)
+        device = parts[0].device
+        if sizes is None:
+            local = torch.tensor([numel], dtype=torch.int64, device=device)
+            sizes = self.all_gather(local).reshape(-1).tolist()
+        elif len(sizes) != self.world_size or sizes[self.rank] != numel:
+            raise ValueError(f"sizes {sizes} do not match world size {self.world_size} and this rank's buffer")
+        longest = max(1, max(sizes))
+        known = list(sizes)
+        trim = partial(_trimmed, known)
+        total = self.world_size * longest
+        out = torch.empty(total, dtype=torch.uint8, device=device) if rows is None else rows(total)
+        if len(parts) == 1 and numel == longest:  # sent as it lies
+            return self.all_gather_start(parts[0], out).then(trim)
+        own = out[self.rank * longest : (self.rank + 1) * longest]
+        torch.cat(parts, out=own[:numel])
+        own[numel:].zero_()
+        return self.all_gather_start(own, out).then(trim)
+
+
+def _trimmed(sizes: list[int], rows: Tensor) -> list[Tensor]:
+    """Each rank's row cut to its length."""
+    return [row[: sizes[r]] for r, row in enumerate(rows)]
+
+
+def dtype_name(tensor: Tensor) -> str:
+    """The element type's name as the counter records it: ``"float16"`` for ``torch.float16``."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor

@@ -1,0 +1,199 @@
+"""Scaled sign: one bit per element and one scale per tensor, for error feedback.
+
+Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other Gradient Compression
+Schemes", ICML 2019, Algorithm 1 (EF-SignSGD): each worker sends
+
+    C(p) = (||p||_1 / d) * sign(p),     p = gamma * g + e   (here: the gradient plus the residual)
+
+and keeps ``e = p - C(p)`` (``memory="ef"``). ``C`` is a contraction,
+``||C(p) - p||^2 = ||p||^2 - ||p||_1^2 / d <= (1 - 1/d) ||p||^2`` (the paper's Lemma 8 with
+``delta = ||p||_1^2 / (d ||p||^2)``), which is what error feedback needs; it is biased, so it is
+never unbiased for DIANA. Ranks gather each other's bits and scales and *average* the scaled signs
+(not signSGD's majority vote, which loses the scales and with them the contraction).
+
+Wire form: the scale (float32), then the signs packed 8 per byte, least significant bit first (a
+set bit is ``+``; ``sign(0)`` is sent as ``+``, error feedback keeps the difference):
+``4 + ceil(d / 8)`` bytes, 32x below fp32 for large tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload
+from lightning_gradcomp.core.compressors.ternary import LITTLE_ENDIAN
+from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(bits: Tensor) -> Tensor:
+    """Pack a flat bool tensor 8 per byte, least significant bit first (zero-padded to a whole byte)."""
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    rows = bits.view(-1, 8).to(torch.uint8)
+    return (rows * _BIT_WEIGHTS.to(rows.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def pack_signs(flat: Tensor) -> Tensor:
+    """``pack_bits(flat >= 0)`` for a flat tensor, in chunks: each int64 word of eight 0/1 bytes folded into one
+    byte with shifts (little-endian byte order inside a word; :func:`pack_bits` otherwise)."""
+    numel = flat.numel()
+    if not LITTLE_ENDIAN or numel == 0:
+        return pack_bits(flat >= 0)
+    packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device)
+    mask = torch.zeros(min(numel + 7, STREAM_CHUNK) // 8 * 8, dtype=torch.bool, device=flat.device)
+    for start in range(0, numel, STREAM_CHUNK):
+        part = flat[start : start + STREAM_CHUNK]
+        n = part.numel()
+        whole = (n + 7) // 8 * 8
+        torch.ge(part, 0, out=mask[:n])
+        mask[n:whole] = False  # the last byte's padding
+        words = mask[:whole].view(torch.uint8).view(torch.int64)
+        folded = words | (words >> 7)  # byte k's bit (at 8k) moves to bit k of the low byte
+        folded |= folded >> 14
+        folded |= folded >> 28
+        packed[start // 8 : start // 8 + whole // 8].copy_(folded)  # keeps the low byte
+    return packed
+
+
+def l1_norm(flat: Tensor) -> Tensor:
+    """``||flat||_1`` as a 0-dim float32 tensor: float32 sums of chunks (``flat.abs().sum()`` for a tensor of one
+    chunk), added in float64; no ``|flat|`` of the tensor's size is allocated."""
+    magnitudes = torch.empty(min(flat.numel(), STREAM_CHUNK), dtype=flat.dtype, device=flat.device)
+    partials = [
+        torch.abs(part, out=magnitudes[: part.numel()]).sum(dtype=torch.float32) for part in flat.split(STREAM_CHUNK)
+    ]
+    if len(partials) <= 1:
+        return partials[0] if partials else flat.new_zeros((), dtype=torch.float32)
+    return torch.stack(partials).sum(dtype=torch.float64).to(torch.float32)
+
+
+def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, first: int = 0) -> Tensor:
+    """``out += scale * sign`` for the ``out.numel()`` signs of ``packed`` from sign number ``first`` on, decoded
+    chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would)."""
+    for start in range(0, out.numel(), STREAM_CHUNK):
+        target = out[start : start + STREAM_CHUNK]
+        begin = first + start
+        head = begin % 8
+        bytes_ = packed[begin // 8 : (begin + target.numel() + 7) // 8]
+        signs = signs_of(bytes_, head + target.numel(), out.dtype)[head:]
+        target.addcmul_(signs, scale)
+    return out
+
+
+@functools.cache
+def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Row ``b``: the 8 signs (+1 for a set bit, -1 else) that byte ``b`` packs, least significant first."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return (2 * bits - 1).to(dtype=dtype, device=device)
+
+
+def signs_of(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    """The first ``numel`` signs of :func:`pack_bits`'s output as +1/-1 in ``dtype``: one table lookup per
+    byte (8 elements), no intermediate bit tensor."""
+    table = _sign_table(dtype, packed.device)
+    return table.index_select(0, packed.to(torch.int32)).view(-1)[:numel]
+
+
+@dataclass(frozen=True)
+class SignPayload(Payload):
+    """``scale * (+1 where the bit is set else -1)`` for a tensor of ``shape``; ``bits`` packed 8 per byte."""
+
+    scale: Tensor
+    bits: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.bits.device
+
+    @property
+    def nbytes(self) -> int:
+        return 4 + (self.numel + 7) // 8
+
+    def to_bytes(self) -> Tensor:
+        return to_bytes([self.scale.reshape(1).to(torch.float32), self.bits])
+
+    def add_to_(self, out: Tensor) -> Tensor:
+        """``out += scale * sign`` (flat ``out``), each element rounded once (``+-scale`` is exact)."""
+        return add_signs_(out, self.bits, self.scale.to(out.dtype))
+
+    def entries(self) -> SignEntries:
+        """The signs with their scale, added into error feedback's residual without a dense decoded copy."""
+        return SignEntries(self.bits, self.scale, 0, self.numel, self.dtype)
+
+
+@dataclass(frozen=True)
+class SignEntries:
+    """Signs ``first .. first + numel`` of a packed payload with its scale: what error feedback takes from it."""
+
+    bits: Tensor
+    scale: Tensor
+    first: int
+    numel: int
+    dtype: torch.dtype
+
+    def to_dense(self) -> Tensor:
+        return self.add_to_(torch.zeros(self.numel, dtype=self.dtype, device=self.bits.device))
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        """``out += alpha * scale * sign``: for ``alpha = -1`` the residual ``p - C(p)``, one rounding per element."""
+        return add_signs_(out, self.bits, self.scale.to(out.dtype) * alpha, self.first)
+
+    def all_finite(self) -> bool:
+        return math.isfinite(float(self.scale))
+
+    def split(self, numels: Sequence[int]) -> list[SignEntries]:
+        starts = accumulate(numels[:-1], initial=self.first)
+        return [
+            SignEntries(self.bits, self.scale, start, n, self.dtype) for start, n in zip(starts, numels, strict=True)
+        ]
+
+
+class ScaledSignCompressor(Compressor):
+    """EF-SignSGD's compressor: ``(||x||_1 / d) * sign(x)``, 1 bit per element plus one float32 scale.
+
+    A contraction (``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / d``) for ``memory="ef"``; biased.
+    Computed in float32 and decoded to the gradient's dtype.
+    """
+
+    name = "sign"
+    unbiased = False
+
+    @property
+    def bias_reason(self) -> str | None:
+        return "a scaled sign keeps only the mean magnitude (a contraction, for error feedback)"
+
+    def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> SignPayload:
+        flat = x.detach().reshape(-1)
+        magnitude = l1_norm(flat) / max(1, flat.numel())
+        return SignPayload(magnitude, pack_signs(flat), x.shape, x.dtype)
+
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SignPayload:
+        numel = shape.numel()
+        if buffer.numel() != self.payload_nbytes(shape, dtype):
+            raise ValueError(f"sign payload of {buffer.numel()} bytes, expected {self.payload_nbytes(shape, dtype)}")
+        reader = ByteReader(buffer)
+        scale = reader.take(1, torch.float32)[0]
+        return SignPayload(scale, reader.take((numel + 7) // 8, torch.uint8), shape, dtype)
+
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        return 4 + (shape.numel() + 7) // 8
+
+    def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
+        assert isinstance(payload, SignPayload)
+        return payload.add_to_(out)
+
+    def preferred_aggregator(self, world_size: int) -> str:
+        """``"allgather"``: scales differ per rank, so there is no integer form to allreduce."""
+        return "allgather"

@@ -1,0 +1,199 @@
+"""Sparse payloads, (indices, values) pairs, shared by every selection compressor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.core.compressors.base import Compressor, Entries, Payload, all_finite
+from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices, encoded_nbytes, is_ascending
+from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+
+#: The count that starts a sparse payload's wire form (int64: a unit of any size).
+COUNT_DTYPE = torch.int64
+
+
+def sparse_nbytes(numel: int, k: int, float_itemsize: int, slots: int | None = None) -> int:
+    """Wire size of a :class:`SparsePayload` of ``k`` entries of ``numel`` (with ``slots``, of any count up to it)."""
+    return 8 + encoded_nbytes(numel, k, slots) + (k if slots is None else slots) * float_itemsize
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SparsePayload(Payload):
+    """``k`` entries of a tensor of ``shape`` (flat indices); absent entries are zero.
+
+    Wire form: the count ``k`` as int64, the indices as a sorted set in the fewest bytes their count
+    allows (:mod:`~lightning_gradcomp.core.compressors.indices`: Elias-Fano, about ``2 + log2(d / k)``
+    bits each, or a bitmap), then the values in ascending index order, in the gradient's dtype (or a
+    wire precision's): ``8 + encoded_nbytes(d, k) + k * itemsize`` bytes, a function of ``d`` and ``k``
+    alone. With ``slots`` (a compressor whose count varies up to a known bound, Gaussian_k), the wire
+    form has a fixed size instead: the indices in the format of ``slots`` indices, then ``slots``
+    values, zero-padded, so that an allgather needs no exchange of sizes (one collective instead of
+    two, as gTop-k's fixed sets).
+    """
+
+    indices: Tensor
+    values: Tensor
+    shape: torch.Size
+    slots: int | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def k(self) -> int:
+        """Number of entries carried."""
+        return self.values.numel()
+
+    @property
+    def selected(self) -> int:
+        return self.k
+
+    @property
+    def nbytes(self) -> int:
+        return self.wire_nbytes(self.values.element_size())
+
+    def wire_nbytes(self, float_itemsize: int) -> int:
+        return sparse_nbytes(self.numel, self.k, float_itemsize, self.slots)
+
+    def cast(self, dtype: torch.dtype) -> SparsePayload:
+        return SparsePayload(self.indices, self.values.to(dtype), self.shape, self.slots)
+
+    def entries(self) -> SparseEntries:
+        return SparseEntries(self.indices, self.values, self.numel)
+
+    def to_bytes(self) -> Tensor:
+        if self.slots is not None and self.k > self.slots:
+            raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
+        indices, values = self.indices.reshape(-1).long(), self.values.reshape(-1)
+        if not is_ascending(indices):  # Top-k sends them in order already
+            indices, order = torch.sort(indices)
+            values = values[order]
+        count = torch.tensor([self.k], dtype=COUNT_DTYPE, device=self.values.device)
+        encoded = encode_indices(indices, self.numel, self.slots)
+        padding = 0 if self.slots is None else self.slots - self.k
+        return to_bytes([count, encoded, zero_padded(values, padding)])
+
+    @classmethod
+    def from_bytes(
+        cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype, slots: int | None = None, k: int | None = None
+    ) -> SparsePayload:
+        """Parse the wire form; its header gives the count, unless the caller knows it (``k``: a compressor of
+        fixed count, which then reads nothing back from the device before decoding)."""
+        numel = shape.numel()
+        reader = ByteReader(buffer)
+        header = reader.take(1, COUNT_DTYPE) if buffer.numel() >= 8 else None
+        if k is None:
+            k = int(header) if header is not None else -1
+        if k < 0 or (slots is not None and k > slots) or (slots is None and k > numel):
+            raise ValueError(f"sparse payload of {buffer.numel()} bytes claims {k} entries")
+        expected = sparse_nbytes(numel, k, itemsize(dtype), slots)
+        if buffer.numel() != expected:
+            raise ValueError(f"sparse payload of {buffer.numel()} bytes, expected {expected} for {k} entries")
+        indices = decode_indices(reader.take(encoded_nbytes(numel, k, slots), torch.uint8), numel, k, slots)
+        values = reader.take(k if slots is None else slots, dtype)[:k]
+        return cls(indices, values, shape, slots)
+
+    def accumulate(self, out: Tensor) -> Tensor:
+        """Add the entries into the flat dense tensor ``out`` (in place)."""
+        return out.index_add_(0, self.indices, self.values)
+
+
+def zero_padded(t: Tensor, extra: int) -> Tensor:
+    """``t`` (1-D) followed by ``extra`` zeros."""
+    return torch.cat([t, t.new_zeros(extra)]) if extra else t
+
+
+@dataclass(frozen=True)
+class SparseEntries:
+    """Some entries of a flat tensor of ``numel`` elements (unique ``indices``, any order); the rest are zero.
+
+    How the aggregators report what of a sparse payload reached the result, so that error
+    feedback subtracts ``k`` entries instead of a dense tensor (one scatter instead of a
+    zero-fill, a scatter and a full subtraction).
+    """
+
+    indices: Tensor
+    values: Tensor
+    numel: int
+
+    def to_dense(self) -> Tensor:
+        """The dense flat tensor."""
+        dense = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        return dense.index_put_((self.indices,), self.values)
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        """``out += alpha * self`` in place, one scatter (``alpha=-1`` is exact: an entry equal to the
+        subtracted value becomes exactly 0)."""
+        return out.index_add_(0, self.indices, self.values, alpha=alpha)
+
+    def all_finite(self) -> bool:
+        """Whether every entry is finite (the zeros between them are)."""
+        return all_finite(self.values)
+
+    def split(self, numels: Sequence[int]) -> list[SparseEntries]:
+        """The entries of each consecutive slice of ``numels`` elements, with indices local to the slice."""
+        if len(numels) == 1:
+            return [self]
+        starts = [0, *accumulate(numels)]
+        if is_ascending(self.indices):  # each slice's entries are one run: cut it by binary search
+            edges = torch.searchsorted(self.indices, torch.tensor(starts, device=self.indices.device)).tolist()
+            return [
+                SparseEntries(self.indices[lo:hi] - start, self.values[lo:hi], n)
+                for start, n, lo, hi in zip(starts[:-1], numels, edges[:-1], edges[1:], strict=True)
+            ]
+        parts = []
+        for start, n in zip(starts[:-1], numels, strict=True):
+            inside = (self.indices >= start) & (self.indices < start + n)
+            parts.append(SparseEntries(self.indices[inside] - start, self.values[inside], n))
+        return parts
+
+
+def dense_of(entries: Tensor | Entries) -> Tensor:
+    """The dense flat tensor of ``entries``, whether they are kept encoded or already dense."""
+    return entries if isinstance(entries, Tensor) else entries.to_dense()
+
+
+def k_for(numel: int, density: float) -> int:
+    """Entries to keep: ``max(1, int(density * numel))`` (the authors' rule), never above ``numel``."""
+    if numel == 0:
+        return 0
+    return min(numel, max(1, int(density * numel)))
+
+
+class FixedKSparsifier(Compressor):
+    """The wire side of a compressor that sends exactly ``k_for(d, density)`` entries as a :class:`SparsePayload`
+    (Top-k, random-k): a payload's size follows from the tensor's, so the allgather needs no size exchange."""
+
+    sparse = True
+    float_wire = True
+    density: float
+    #: whether every payload carries exactly ``k_for(d, density)`` entries (Gaussian_k's count varies below it)
+    exact_count: ClassVar[bool] = True
+
+    def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:
+        # the count is k unless a subclass sends a count that varies (and declares no fixed size): then the header's
+        fixed = self.payload_nbytes(shape, dtype) is not None
+        return SparsePayload.from_bytes(buffer, shape, dtype, k=k_for(shape.numel(), self.density) if fixed else None)
+
+    def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
+        assert isinstance(payload, SparsePayload)
+        return payload.accumulate(out)
+
+    def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        return sparse_nbytes(shape.numel(), k_for(shape.numel(), self.density), itemsize(dtype))

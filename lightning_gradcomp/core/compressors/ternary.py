@@ -1,0 +1,562 @@
+"""The 2-bit wire format of ternary codes, and the payload shared by TernGrad and DIANA's quantizer.
+
+Both methods send, per block of a tensor, one fp32 scale ``s_l`` and one code ``c_j`` in
+``{-1, 0, 1}`` per element; the receiver reads ``s_l * c_j``. TernGrad (Wen et al., NIPS 2017,
+Sec. 3) has one block per layer; DIANA's block p-norm quantizer (Mishchenko et al. 2019, Sec. 2,
+"p-quantization") splits a tensor into blocks of ``d_l`` elements. Codes travel at 2
+bits each, four per byte, which is 16x smaller than fp32 (the information limit is ``log2(3) =
+1.58`` bits).
+
+Encoding: code ``c`` is stored as the 2-bit value ``c + 1`` (``-1 -> 0``, ``0 -> 1``, ``1 -> 2``);
+element ``4i + k`` of the tensor sits in bits ``2k, 2k+1`` of byte ``i``. Padding elements of the
+last byte hold code 0. The byte layout does not depend on the machine's endianness.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite
+from lightning_gradcomp.core.compressors.blocks import sparse_nonzero
+from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.workspace import Scratch
+
+CODES_PER_BYTE = 4
+
+
+def packed_nbytes(numel: int) -> int:
+    """Bytes that :func:`pack_2bit` produces for ``numel`` codes: ``ceil(numel / 4)``."""
+    return -(-numel // CODES_PER_BYTE)
+
+
+def pack_2bit(codes: Tensor, out: Tensor | None = None) -> Tensor:
+    """Pack int8 codes in ``{-1, 0, 1}`` (any shape, read in flat order) into ``ceil(n / 4)`` uint8 bytes
+    (into ``out`` when given).
+
+    Values outside ``{-1, 0, 1}`` are not checked (that would cost a pass over the codes on the hot
+    path) and do not round-trip.
+    """
+    if codes.dtype != torch.int8:
+        raise ValueError(f"codes must be an int8 tensor, got {codes.dtype}")
+    flat = codes.reshape(-1)
+    numel = flat.numel()
+    packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8, device=codes.device) if out is None else out
+    # in chunks through one small buffer: no temporaries of the codes' size (their page faults cost more
+    # than the packing on a 25M-element model)
+    biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, STREAM_CHUNK), dtype=torch.uint8, device=codes.device)
+    for start in range(0, numel, STREAM_CHUNK):
+        n = min(STREAM_CHUNK, numel - start)
+        whole = -(-n // CODES_PER_BYTE) * CODES_PER_BYTE
+        # uint8 arithmetic wraps: -1 (0xFF) + 1 = 0, 0 + 1 = 1, 1 + 1 = 2.
+        torch.add(flat[start : start + n].view(torch.uint8), 1, out=biased[:n])
+        biased[n:whole] = 1
+        out = packed[start // CODES_PER_BYTE : (start + whole) // CODES_PER_BYTE]
+        out.copy_(_pack_words(biased[:whole]) if LITTLE_ENDIAN else _pack_columns(biased[:whole]))
+    return packed
+
+
+def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
+    """The first ``numel`` int8 codes (1-D) stored in the uint8 tensor ``packed`` by :func:`pack_2bit`."""
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError(f"packed must be a 1-D uint8 tensor, got {packed.dtype} with shape {tuple(packed.shape)}")
+    if packed.numel() != packed_nbytes(numel):
+        raise ValueError(f"{numel} codes take {packed_nbytes(numel)} bytes, got {packed.numel()}")
+    codes = torch.empty(numel, dtype=torch.int8, device=packed.device)
+    step = STREAM_CHUNK // CODES_PER_BYTE  # packed bytes per chunk: its temporaries stay a few MiB
+    for start in range(0, packed.numel(), step):
+        chunk = packed[start : start + step]
+        biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
+        first = start * CODES_PER_BYTE
+        n = min(biased.numel(), numel - first)
+        torch.sub(biased[:n].view(torch.int8), 1, out=codes[first : first + n])
+    return codes
+
+
+def unpack_2bit_range(packed: Tensor, start: int, count: int) -> Tensor:
+    """Codes ``[start, start + count)`` (int8) of :func:`pack_2bit`'s bytes, unpacked alone."""
+    first = start // CODES_PER_BYTE
+    chunk = packed[first : -(-(start + count) // CODES_PER_BYTE)]
+    biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
+    offset = start - first * CODES_PER_BYTE
+    return biased[offset : offset + count].view(torch.int8).sub(1)
+
+
+class PackedCodes:
+    """One small integer code per element, held as int8 (``stored_codes``) or packed as it travels (``packed``:
+    decoded a chunk at a time where it is added, so it costs its wire bits per element, never an int8). For the
+    payloads of ternary codes and of QSGD's levels. A compressor draws its codes straight into their packed
+    bytes behind the scales (:func:`own_wire`), and a received payload keeps the bytes it arrived in: either way
+    the whole wire form is ``wire``, sent as it is."""
+
+    stored_codes: Tensor | None
+    packed: Tensor | None
+    wire: Tensor | None
+
+    def _unpack_all(self, packed: Tensor) -> Tensor:
+        """Every code of ``packed``, int8."""
+        raise NotImplementedError
+
+    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
+        """Codes ``[start, start + count)`` of ``packed``, int8."""
+        raise NotImplementedError
+
+    def _pack(self, codes: Tensor) -> Tensor:
+        """The wire form of int8 ``codes``."""
+        raise NotImplementedError
+
+    @cached_property
+    def codes(self) -> Tensor:
+        """The int8 codes, flat (decoded whole from :attr:`packed` when they are held packed)."""
+        if self.stored_codes is not None:
+            return self.stored_codes
+        assert self.packed is not None
+        return self._unpack_all(self.packed)
+
+    def code_range(self, start: int, count: int) -> Tensor:
+        """Codes ``[start, start + count)`` (int8): a view of the stored codes, or that range unpacked alone."""
+        if self.stored_codes is not None:
+            return self.stored_codes[start : start + count]
+        assert self.packed is not None
+        return self._unpack_range(self.packed, start, count)
+
+    def wire_codes(self) -> Tensor:
+        """The codes as they travel: the packed bytes, or the stored codes packed."""
+        if self.stored_codes is None:
+            assert self.packed is not None
+            return self.packed
+        return self._pack(self.stored_codes)
+
+    def wire_form(self, header: Tensor) -> Tensor:
+        """The payload as it travels: :attr:`wire` when the bytes already lie together, else ``header`` (the fp32
+        scales) and the packed codes joined."""
+        return self.wire if self.wire is not None else to_bytes([header.to(torch.float32), self.wire_codes()])
+
+    def codes_into(self, out: Tensor) -> Tensor:
+        """Every code written into the flat integer tensor ``out``, a chunk at a time (no int8 copy of them all)."""
+        for start in range(0, out.numel(), STREAM_CHUNK):
+            n = min(STREAM_CHUNK, out.numel() - start)
+            out[start : start + n].copy_(self.code_range(start, n))
+        return out
+
+
+@dataclass(frozen=True)
+class CodePacking:
+    """How a compressor's int8 codes become wire bytes, so that they can be drawn straight into them.
+
+    ``per_byte`` codes share a byte: code ``j`` is the field of ``8 // per_byte`` bits at bit
+    ``(8 // per_byte) * (j % per_byte)`` of byte ``j // per_byte``, holding ``c`` plus a fixed offset;
+    ``pack(codes, out)`` writes a run of codes that starts at a multiple of ``per_byte`` into its bytes.
+    """
+
+    per_byte: int
+    pack: Callable[[Tensor, Tensor], Tensor]
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of ``numel`` packed codes."""
+        return -(-numel // self.per_byte)
+
+    def step_(self, packed: Tensor, positions: Tensor, steps: Tensor) -> Tensor:
+        """Add the small int8 ``steps`` to the codes at ``positions`` (int64), in their bytes, in place.
+
+        A field holds ``c`` plus an offset, so a step that keeps the code in its range never carries into the next
+        field: adding ``step << shift`` to the byte (uint8 arithmetic wraps) is exact, and steps into one byte add up.
+        """
+        bits = 8 // self.per_byte
+        shifted = steps.to(torch.int32) << (positions % self.per_byte).to(torch.int32) * bits
+        return packed.index_add_(0, positions // self.per_byte, shifted.to(torch.uint8))
+
+
+#: Ternary codes at 2 bits each (:func:`pack_2bit`).
+TERNARY_PACKING = CodePacking(CODES_PER_BYTE, lambda codes, out: pack_2bit(codes, out=out))
+
+
+def own_wire(
+    scratch: Scratch | None, header: Tensor, packing: CodePacking, numel: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's payload laid out as it travels: the fp32 ``header`` (scales, norms) written in front, and the
+    region its ``numel`` packed codes are drawn into behind it, in the unit's kept buffer when there is
+    ``scratch``. Returns the whole buffer, the header's fp32 view in it and the codes' region."""
+    front = 4 * header.numel()
+    nbytes = front + packing.nbytes(numel)
+    device = header.device
+    if scratch is None:
+        wire = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    else:
+        wire = scratch("own payload", nbytes, torch.uint8, device)
+    kept_header = wire[:front].view(torch.float32).copy_(header.reshape(-1))
+    return wire, kept_header, wire[front:]
+
+
+# Two implementations of the same byte layout. The word form works on contiguous int32 lanes (about
+# 4x faster while the data sits in cache) but relies on little-endian byte order inside a word; the
+# column form is order-free. Tests check that both give the same bytes.
+LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _pack_words(biased: Tensor) -> Tensor:
+    """Pack 2-bit values (uint8, length a multiple of 4) by folding each int32 word's four bytes into one."""
+    words = biased.view(torch.int32)
+    # byte k of a word holds its value in bits 8k, 8k+1: move them to bits 2k, 2k+1 of the low byte
+    folded = words | (words >> 6)
+    folded |= folded >> 12
+    return folded.to(torch.uint8)  # keeps the low byte (integer narrowing wraps)
+
+
+def _pack_columns(biased: Tensor) -> Tensor:
+    """Pack 2-bit values (uint8, length a multiple of 4) column by column: any byte order."""
+    columns = biased.view(-1, CODES_PER_BYTE)
+    packed = columns[:, 0] | (columns[:, 1] << 2)
+    packed |= columns[:, 2] << 4
+    packed |= columns[:, 3] << 6
+    return packed
+
+
+def _unpack_words(packed: Tensor) -> Tensor:
+    """2-bit values (uint8, 4 per packed byte) by spreading each byte over the four bytes of an int32 word."""
+    words = packed.to(torch.int32)
+    words |= words << 12
+    words |= words << 6
+    words &= 0x03030303
+    return words.view(torch.uint8)
+
+
+def _unpack_columns(packed: Tensor) -> Tensor:
+    """2-bit values (uint8, 4 per packed byte), one bit position at a time: any byte order."""
+    columns = torch.empty(packed.numel(), CODES_PER_BYTE, dtype=torch.uint8, device=packed.device)
+    for k in range(CODES_PER_BYTE):
+        torch.bitwise_and(packed >> (2 * k), 3, out=columns[:, k])
+    return columns.view(-1)
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks of ``block_size`` elements (the last one possibly shorter) covering ``numel`` elements."""
+    return -(-numel // block_size)
+
+
+def scale_blocks_(values: Tensor, scales: Tensor, block_size: int) -> Tensor:
+    """Multiply the flat ``values`` in place by their block's entry of ``scales`` and return them."""
+    full = values.numel() // block_size
+    if full:
+        values[: full * block_size].view(full, block_size).mul_(scales[:full, None])
+    if values.numel() > full * block_size:
+        values[full * block_size :].mul_(scales[full])
+    return values
+
+
+#: Random bits drawn per element up front; the rest of a uniform is drawn only where they cannot decide.
+DRAW_BITS = 8
+#: ``q`` is the keep probability times this: the range of one random byte.
+DRAW_LEVELS = 1 << DRAW_BITS
+
+
+#: Elements encoded at a time: the encoder's temporaries stay this small (about 1 MiB), so they sit in
+#: cache and no model-sized tensor is allocated (and page-faulted) per call besides the codes.
+ENCODE_CHUNK = 1 << 18
+
+
+def keep_levels(probability_scale: Tensor) -> Tensor:
+    """``DRAW_LEVELS / s`` elementwise, and 0 where ``s`` is 0 (an all-zero block keeps nothing, no NaN)."""
+    return torch.where(probability_scale > 0, DRAW_LEVELS / probability_scale, 0.0)
+
+
+def stochastic_ternary(
+    g: Tensor,
+    scales: Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    cap: Tensor | None = None,
+    packed: Tensor | None = None,
+) -> Tensor:
+    """Codes ``sign(g_j) * xi_j`` (int8), ``xi_j ~ Bernoulli(min(|g_j|, cap) / s_l)``, exact from 8 random bits.
+
+    ``g`` is flat fp32, cut into blocks of ``block_size`` elements with one ``s_l`` each in
+    ``scales`` (TernGrad's scaler, one block; DIANA's block norms): Wen et al., 2017, Eq. 2;
+    Mishchenko et al., 2019, Sec. 2. With ``q_j = 256 min(|g_j|, cap) / s_l``, the uniform ``U_j`` of
+    the Bernoulli draw ``U_j < q_j / 256`` is written ``U_j = (B_j + V_j) / 256`` with ``B_j`` a
+    uniform byte and ``V_j ~ U[0, 1)`` independent of it, which makes ``U_j`` exactly uniform on
+    ``[0, 1)``. With ``n_j = floor(q_j)``: ``B_j < n_j`` keeps for sure (``B + V < n <= q``),
+    ``B_j > n_j`` drops for sure (``B + V >= n + 1 > q``), and only ``B_j = n_j`` (probability
+    1/256) needs ``V_j``: keep iff ``V_j < q_j - n_j``. So ``P(xi_j = 1) = q_j / 256`` exactly, with
+    8 random bits per element plus one fp32 uniform per 256 elements, instead of a 32-bit draw for
+    every element (random bytes cost a tenth of ``torch.rand`` on a CPU). The second-stage
+    uniform resolves the probability to ``2^-32``, finer than one fp32 uniform.
+
+    Draw order (what a reference needs to reproduce the codes): every byte first, ``ceil(d / 8)``
+    uniform int64 words read as bytes; then one ``torch.rand`` of the tied elements in index order.
+    The work runs in chunks of about :data:`ENCODE_CHUNK` elements through small scratch tensors; the
+    words are drawn chunk by chunk (whole words per chunk), which is the same stream as one draw of all.
+    With ``packed`` (:func:`packed_nbytes` bytes) the codes are packed into it as they are drawn
+    (:func:`pack_2bit`'s bytes, the tied elements' steps added in place) and it is returned: no int8 tensor of
+    ``g``'s size.
+    """
+    multipliers = keep_levels(scales.to(torch.float32))
+    return _stochastic_codes(g, multipliers, block_size, generator, cap, packing=TERNARY_PACKING, packed=packed)
+
+
+def stochastic_levels(
+    g: Tensor,
+    multipliers: Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    packing: CodePacking | None = None,
+    packed: Tensor | None = None,
+    levels: float | None = None,
+) -> Tensor:
+    """QSGD's codes ``sign(g_j) (floor(u_j) + xi_j)`` (int8), ``u_j = |g_j| m_l``, ``xi_j ~ Bernoulli(frac(u_j))``.
+
+    ``m_l`` (in ``multipliers``, one per block) is ``levels / norm`` (Alistarh et al., 2017, Sec. 3.1):
+    the level below ``u_j``, one up with the probability of its fractional part. The draw is
+    :func:`stochastic_ternary`'s, of ``sign(g_j) frac(u_j)`` against a scale of 1 (exact in fp32: the
+    fraction times 256), in the same draw order, computed chunk by chunk with the floor: no tensor of the
+    gradient's size besides the codes, packed by ``packing`` into ``packed`` as they are drawn when
+    ``packed`` is given (then returned). ``levels``, when given, is ``s``: ``u_j`` is clamped to it, since
+    ``|g_j| (s / N)`` can round above ``s`` where one element holds its block's whole norm.
+    """
+    top = None if levels is None else torch.tensor(float(levels), dtype=g.dtype, device=g.device)
+    return _stochastic_codes(g, multipliers, block_size, generator, top, True, packing, packed)
+
+
+def _stochastic_codes(
+    g: Tensor,
+    multipliers: Tensor,
+    block_size: int,
+    generator: torch.Generator | None,
+    cap: Tensor | None,
+    fractional: bool = False,
+    packing: CodePacking | None = None,
+    packed: Tensor | None = None,
+) -> Tensor:
+    """The chunked two-stage draw behind :func:`stochastic_ternary` (``q = min(|g|, cap) m``) and
+    :func:`stochastic_levels` (``fractional``: ``u = min(|g| m, cap)``, ``q = 256 frac(u)``, codes from
+    ``floor(u)`` up): int8 codes of ``g``'s size, or with ``packed`` each chunk's codes packed into it."""
+    numel = g.numel()
+    # whole blocks per chunk when there are several, and whole random words (so whole packed bytes)
+    step = 8 if block_size >= numel else math.lcm(block_size, 8)
+    chunk = step * max(1, ENCODE_CHUNK // step)
+    size = min(chunk, numel)
+    if packed is None:
+        codes = torch.empty(numel, dtype=torch.int8, device=g.device)
+    else:
+        assert packing is not None and packed.numel() == packing.nbytes(numel)
+        codes = torch.empty(size, dtype=torch.int8, device=g.device)  # one chunk's, packed before the next
+    words = torch.empty(-(-size // 8), dtype=torch.int64, device=g.device)
+    level = torch.empty(size, dtype=torch.float32, device=g.device)
+    # u and its floor in the gradient's precision (fp64 stays fp64), the fraction then rounded to fp32
+    wide = torch.empty(size if fractional else 0, dtype=g.dtype, device=g.device)
+    below = torch.empty(size if fractional else 0, dtype=g.dtype, device=g.device)
+    floors16 = torch.empty(size, dtype=torch.int16, device=g.device)
+    floors = torch.empty(size, dtype=torch.uint8, device=g.device)
+    keep = torch.empty(size, dtype=torch.bool, device=g.device)
+    # the level's increment as a float: a bool operand would send the add down a slow casting path
+    step_up = torch.empty(size if fractional else 0, dtype=g.dtype, device=g.device)
+    tied = torch.empty(size, dtype=torch.bool, device=g.device)
+    tie_indices, tie_fractions = [], []
+    for start in range(0, numel, chunk):
+        stop = min(start + chunk, numel)
+        n = stop - start
+        q, n16, n8, kept, tie = level[:n], floors16[:n], floors[:n], keep[:n], tied[:n]
+        draws = words[: -(-n // 8)].random_(-(2**63), None, generator=generator).view(torch.uint8)[:n]
+        blocks = multipliers[start // block_size : -(-stop // block_size)]
+        if fractional:  # the level below u, and the fraction above it as a probability out of 256 (exact)
+            u = scale_blocks_(torch.abs(g[start:stop], out=wide[:n]), blocks, block_size)
+            if cap is not None:
+                u.clamp_(max=cap)
+            q.copy_(u.sub_(torch.floor(u, out=below[:n]))).mul_(DRAW_LEVELS)
+        else:
+            torch.abs(g[start:stop], out=q)
+            if cap is not None:
+                q.clamp_(max=cap)
+            scale_blocks_(q, blocks, block_size)
+        # n_j as a byte: q >= 256 (probability 1) becomes 256 and then n = 255, whose tie V < q - n = 1 is
+        # sure. (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
+        n16.copy_(q.clamp_(max=DRAW_LEVELS)).clamp_(max=DRAW_LEVELS - 1)
+        n8.copy_(n16)
+        if fractional:
+            torch.lt(draws, n8, out=step_up[:n])
+        else:
+            torch.lt(draws, n8, out=kept)
+        ties = sparse_nonzero(torch.eq(draws, n8, out=tie))
+        if ties.numel():
+            tie_indices.append(ties + start)
+            tie_fractions.append(q[ties].sub_(n8[ties]))
+        out = codes[start:stop] if packed is None else codes[:n]
+        if fractional:  # sign(g) (floor(u) + xi), small integers: exact
+            out.copy_(torch.sign(g[start:stop], out=wide[:n]).mul_(below[:n].add_(step_up[:n])))
+        else:
+            out.copy_(torch.sign(g[start:stop], out=q)).mul_(kept.view(torch.int8))  # q is free: ties are taken
+        if packed is not None:
+            assert packing is not None
+            packing.pack(out, packed[start // packing.per_byte : packing.nbytes(stop)])
+    if tie_indices:  # a tie steps one level away from zero where its second uniform wins
+        ties = torch.cat(tie_indices)
+        second = torch.rand(ties.numel(), generator=generator, device=g.device, dtype=torch.float32)
+        won = (second < torch.cat(tie_fractions)).to(torch.int8)
+        steps = torch.sign(g.index_select(0, ties)).to(torch.int8) * won
+        if packed is None:
+            codes.index_add_(0, ties, steps)
+        else:
+            assert packing is not None
+            packing.step_(packed, ties, steps)
+    return codes if packed is None else packed
+
+
+@dataclass(frozen=True, eq=False)
+class TernaryPayload(PackedCodes, Payload):
+    """Ternary codes of a tensor of ``shape`` with one fp32 scale per block of ``block_size`` elements.
+
+    Wire form: the scales (fp32, one per block), then the codes packed 2 bits each:
+    ``4 * blocks + ceil(numel / 4)`` bytes.
+
+    A compressor's payload and one received off the wire keep their codes packed (:class:`PackedCodes`).
+
+    Attributes:
+        stored_codes: int8, flat, values in ``{-1, 0, 1}`` (``None`` when they are only ``packed``).
+        scales: float32, one per block.
+        shape: the tensor's shape.
+        dtype: the gradient's dtype, which decoding returns.
+        block_size: elements per scale (the last block may be shorter).
+        shared: whether ``scales`` is a scale agreed on by every rank (TernGrad's scaler sharing).
+        packed: the codes as they travel (:func:`pack_2bit`), when they were drawn or received packed.
+        wire: the whole wire form, when the scales and packed codes lie in it (drawn or received so).
+    """
+
+    stored_codes: Tensor | None
+    scales: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    block_size: int
+    shared: bool = False
+    packed: Tensor | None = None
+    wire: Tensor | None = None
+
+    def _unpack_all(self, packed: Tensor) -> Tensor:
+        return unpack_2bit(packed, self.numel)
+
+    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
+        return unpack_2bit_range(packed, start, count)
+
+    def _pack(self, codes: Tensor) -> Tensor:
+        return pack_2bit(codes)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.scales.device
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.scales.numel() + packed_nbytes(self.numel)
+
+    def to_bytes(self) -> Tensor:
+        return self.wire_form(self.scales)
+
+    @classmethod
+    def from_bytes(
+        cls, buffer: Tensor, shape: torch.Size, dtype: torch.dtype, block_size: int, blocks: int
+    ) -> TernaryPayload:
+        """Parse the wire form of a tensor of ``shape`` cut into ``blocks`` blocks of ``block_size``."""
+        numel = shape.numel()
+        expected = 4 * blocks + packed_nbytes(numel)
+        if buffer.numel() != expected:
+            raise ValueError(f"ternary payload of {buffer.numel()} bytes, expected {expected} for shape {tuple(shape)}")
+        reader = ByteReader(buffer)
+        scales = reader.take(blocks, torch.float32)
+        packed = reader.take(packed_nbytes(numel), torch.uint8)
+        return cls(None, scales, shape, dtype, block_size, packed=packed, wire=buffer)
+
+    def entries(self) -> TernarySlice:
+        return TernarySlice(self, 0, self.numel)
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0, start: int = 0) -> Tensor:
+        """``out += alpha * codes * scale`` for elements ``[start, start + len(out))`` (flat ``out``).
+
+        Each ``codes * scale`` is exact (codes are 0 or +-1). In ``out``'s own dtype when that is
+        the working precision (fp32, fp64): the codes go through a cache-sized float scratch (an
+        int8 operand would send ``addcmul_`` down a casting path four times slower), then one fused
+        ``addcmul_`` per run of whole blocks. Otherwise (fp16, bf16) the decoded slice is rounded
+        to the gradient's dtype first, as :meth:`dense` gives it, then added.
+        """
+        work = working_dtype(out.dtype)
+        numel, size = out.numel(), self.block_size
+        if out.dtype != work:
+            return out.add_(self.decode_range(start, numel), alpha=alpha)
+        scales = self.scales.to(work)
+        chunk = size * max(1, ENCODE_CHUNK // size) if size <= ENCODE_CHUNK else ENCODE_CHUNK
+        scratch = torch.empty(min(chunk, numel), dtype=work, device=out.device)
+        for offset in range(0, numel, chunk):
+            n = min(chunk, numel - offset)
+            codes = scratch[:n].copy_(self.code_range(start + offset, n))
+            _add_scaled_(out[offset : offset + n], codes, scales, size, start + offset, alpha)
+        return out
+
+    def decode_range(self, start: int, numel: int) -> Tensor:
+        """Elements ``[start, start + numel)`` decoded in the gradient's dtype: that slice of :meth:`dense`."""
+        work = working_dtype(self.dtype)
+        return self.add_to_(torch.zeros(numel, dtype=work, device=self.device), start=start).to(self.dtype)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``codes * scale`` per element, flat, in ``dtype`` (each product is exact: codes are 0 or +-1)."""
+        return scale_blocks_(self.codes.to(dtype), self.scales.to(dtype), self.block_size)
+
+
+def _add_scaled_(out: Tensor, codes: Tensor, scales: Tensor, size: int, start: int, alpha: float) -> None:
+    """``out += alpha * codes * scales[block]`` for the run of elements starting at index ``start``, cut into
+    blocks of ``size``: a partial first block, whole blocks as rows, a partial last block."""
+    numel = out.numel()
+    head = min(numel, -start % size)  # up to the first block boundary
+    if head:
+        out[:head].addcmul_(codes[:head], scales[start // size], value=alpha)
+    full = (numel - head) // size
+    if full:
+        first = (start + head) // size
+        rows = out[head : head + full * size].view(full, size)
+        blocks = codes[head : head + full * size].view(full, size)
+        rows.addcmul_(blocks, scales[first : first + full, None], value=alpha)
+    tail = head + full * size
+    if tail < numel:
+        out[tail:].addcmul_(codes[tail:], scales[(start + tail) // size], value=alpha)
+
+
+@dataclass(frozen=True, eq=False)
+class TernarySlice:
+    """Elements ``[start, start + numel)`` of a :class:`TernaryPayload`, decoded only where they are added.
+
+    What memory takes from this rank's own ternary payload (DIANA's ``h_i += alpha * Q(g_i - h_i)``,
+    error feedback's subtraction): one fused pass into the state, no dense decoded copy.
+    """
+
+    payload: TernaryPayload
+    start: int
+    numel: int
+
+    def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        return self.payload.add_to_(out, alpha, self.start)
+
+    def to_dense(self) -> Tensor:
+        return self.payload.decode_range(self.start, self.numel)
+
+    def all_finite(self) -> bool:
+        """Whether the scales of the blocks this slice touches are finite (codes are 0 or +-1, and a
+        code 0 times an infinite scale is NaN, so that is exactly when every decoded element is)."""
+        if not self.numel:
+            return True
+        size = self.payload.block_size
+        return all_finite(self.payload.scales[self.start // size : -(-(self.start + self.numel) // size)])
+
+    def split(self, numels: Sequence[int]) -> list[TernarySlice]:
+        if sum(numels) != self.numel:
+            raise ValueError(f"slice sizes {list(numels)} do not add up to {self.numel}")
+        starts = accumulate(numels[:-1], initial=self.start)
+        return [TernarySlice(self.payload, start, n) for start, n in zip(starts, numels, strict=True)]
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision of the arithmetic behind a gradient of ``dtype``: fp64 stays fp64, everything else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
