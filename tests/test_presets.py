@@ -12,7 +12,17 @@ from models import TinyClassifier, fit, teacher_task
 from ranks import run_ranks
 from torch import nn
 
-from lightning_gradcomp import NAMED_STRATEGIES, GradCompFabricStrategy, GradCompStrategy
+from lightning_gradcomp import (
+    DILOCO_PRESETS,
+    HSDP_PRESETS,
+    NAMED_STRATEGIES,
+    GradCompDiLoCoFabricStrategy,
+    GradCompDiLoCoStrategy,
+    GradCompFabricStrategy,
+    GradCompHSDPFabricStrategy,
+    GradCompHSDPStrategy,
+    GradCompStrategy,
+)
 from lightning_gradcomp.ddp.presets import DDP_VARIANTS, preset_arguments
 from lightning_gradcomp.ddp.strategy import UNUSED_PARAMETERS_ADVICE
 
@@ -55,6 +65,69 @@ def test_a_kwargs_override_updates_the_presets_unless_its_method_is_replaced() -
     )  # the same method restated beside its arguments: they still update the preset's
     assert (restated.compressor.rank, restated.compressor.min_compression_rate) == (4, 4.0)
     assert NAMED_STRATEGIES["ddp_powersgd"][1]["compressor_kwargs"] == {"rank": 4}  # the table is left alone
+
+
+def _diloco(strategy: GradCompDiLoCoStrategy | GradCompDiLoCoFabricStrategy) -> tuple:
+    return (strategy.sync_every, strategy.outer_lr, strategy.outer_momentum, strategy.nesterov,
+            strategy.exchange_arguments)  # fmt: skip
+
+
+def _hsdp(strategy: GradCompHSDPStrategy | GradCompHSDPFabricStrategy) -> tuple:
+    return (strategy.exchange_arguments, strategy.replicate_size, strategy.unit_modules,
+            strategy.reshard_after_forward)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cls", "table", "name", "overrides", "described"),
+    [
+        (GradCompDiLoCoStrategy, DILOCO_PRESETS, "ddp_diloco_topk", {"sync_every": 4}, _diloco),
+        (GradCompDiLoCoFabricStrategy, DILOCO_PRESETS, "ddp_diloco_topk", {"sync_every": 4}, _diloco),
+        (GradCompDiLoCoStrategy, DILOCO_PRESETS, "ddp_diloco", {"outer_momentum": 0.5, "timeout": None}, _diloco),
+        (GradCompHSDPStrategy, HSDP_PRESETS, "hsdp_topk", {"density": 0.05, "replicate_size": 2}, _hsdp),
+        (GradCompHSDPFabricStrategy, HSDP_PRESETS, "hsdp_topk", {"density": 0.05, "replicate_size": 2}, _hsdp),
+    ],
+)
+def test_every_front_ends_from_preset_builds_what_spelling_out_the_preset_builds(
+    cls: type, table: dict, name: str, overrides: dict, described: object
+) -> None:
+    spelt = cls(**{**table[name][1], **overrides})
+    built = cls.from_preset(name, **overrides)
+    assert type(built) is cls and described(built) == described(spelt)  # type: ignore[operator]
+    assert described(built) != described(cls(**table[name][1]))  # type: ignore[operator]  (the override counted)
+
+
+def test_every_front_end_merges_a_presets_arguments_by_the_same_rules() -> None:
+    qsgd = GradCompDiLoCoStrategy.from_preset("ddp_diloco_qsgd", compressor_kwargs={"levels": 3})
+    assert qsgd.exchange_arguments["compressor_kwargs"] == {"levels": 3, "block_size": 64}  # updated key by key
+    replaced = GradCompDiLoCoStrategy.from_preset("ddp_diloco_qsgd", compressor="topk", density=0.1)
+    assert replaced.exchange_arguments["compressor_kwargs"] is None  # QSGD's levels do not follow another method
+    decayed = GradCompDiLoCoFabricStrategy.from_preset("ddp_diloco_topk", memory_kwargs={"decay": 0.5})
+    assert decayed.exchange_arguments["memory_kwargs"] == {"decay": 0.5}
+    assert DILOCO_PRESETS["ddp_diloco_qsgd"][1]["compressor_kwargs"] == {"levels": 7, "block_size": 64}  # untouched
+    sign = GradCompHSDPStrategy.from_preset("hsdp_topk", compressor="sign", density=None, wire_precision=None)
+    assert sign.exchange_arguments["compressor"] == "sign" and sign.exchange_arguments["density"] is None
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "overrides", "message"),
+    [
+        (GradCompDiLoCoStrategy, "ddp_diloco_topk", {"sync_evry": 4},
+         r"\['sync_evry'\] \('sync_evry': did you mean 'sync_every'\?\)"),
+        (GradCompDiLoCoFabricStrategy, "ddp_diloco", {"outer_lr_": 1.0},
+         r"\['outer_lr_'\] \('outer_lr_': did you mean 'outer_lr'\?\)"),
+        (GradCompHSDPStrategy, "hsdp_topk", {"densty": 0.1}, r"\['densty'\] \('densty': did you mean 'density'\?\)"),
+        (GradCompHSDPFabricStrategy, "hsdp_dense", {"replicate": 2}, r"got unknown arguments \['replicate'\]"),
+        (GradCompStrategy, "ddp_topk", {"densty": 0.1}, r"\['densty'\] \('densty': did you mean 'density'\?\)"),
+        (GradCompDiLoCoStrategy, "ddp_diloco_qsgd", {"find_unused_parameters": True},
+         r"trains without a DistributedDataParallel wrapper .* \['find_unused_parameters'\]"),
+        (GradCompHSDPStrategy, "hsdp_top", {}, r"preset must be one of \['hsdp_dense', 'hsdp_topk'\], got 'hsdp_top'"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_override_or_preset_is_refused_by_name_in_every_front_end(
+    cls: type, name: str, overrides: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        cls.from_preset(name, **overrides)
 
 
 def test_a_bad_preset_or_argument_is_refused_by_name() -> None:
