@@ -8,7 +8,7 @@ curves). By default it trains on the first 8,000 images of the MNIST test set an
 the last 2,000 (the files in ../shared/data/mnist); ``--data-dir`` with the full dataset and
 ``--full`` use the standard split instead.
 
-    python benchmarks/convergence.py --seeds 0 1 2 3 --steps 500 --json results/convergence.json
+    python benchmarks/convergence.py --seeds 0 1 2 3 --steps 500 --json benchmarks/results/convergence_lenet.json
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ plus the bytes the method receives per step divided by the link rate, i.e. the s
 method whose compression and decoding cost nothing and whose bytes fill the link. Needs root and iproute2; it creates
 and always deletes its own namespaces, and uses only addresses it assigns inside them.
 
-    sudo python benchmarks/network.py --ranks 4 --rate 100mbit --json results/network.json
+    sudo python benchmarks/network.py --ranks 4 --rate 100mbit --json benchmarks/results/network_mlp_100mbit.json
 
 ``--nodes N --ranks-per-node L`` emulates a cluster instead: one namespace per *node*, its L ranks
 talking over that namespace's own loopback (unshaped, the fast link inside a node), the nodes
@@ -28,7 +28,7 @@ rank gets its node's ``GROUP_RANK`` and ``LOCAL_RANK`` as under ``torchrun --nno
 ``link_bytes_per_step`` in the JSON, summed over nodes, is what crossed the slow links.
 
     sudo python benchmarks/network.py --nodes 2 --ranks-per-node 2 --rate 100mbit \
-        --methods dense,ddp_topk,ddp_topk:node --json results/network_nodes.json
+        --methods dense,ddp_topk,ddp_topk:node --json benchmarks/results/network_mlp_2x2_100mbit.json
 
 With ``--nodes``, ``hsdp`` and ``hsdp_topk`` shard the model over a node's ranks with FSDP2 and replicate it across
 nodes: FSDP2's own HSDP, and the replica exchange compressed by :class:`~lightning_gradcomp.ReplicaExchange`. DiLoCo's

@@ -15,7 +15,7 @@ turn, the median over the turns of each turn's ratio, and their range), the hook
 memory while the method ran (memory freed by the methods before it is handed back to the system
 first, ``malloc_trim``).
 
-    python benchmarks/overhead.py --model mlp --model resnet20 --json benchmarks/results/overhead.json
+    python benchmarks/overhead.py --model mlp --model resnet20 --json benchmarks/results/overhead_mlp_resnet20.json
     python benchmarks/overhead.py --model mlp25m --steps 5 --repeats 1
     python benchmarks/overhead.py --model mlp25m --isolate --methods ddp,ddp_topk   # peak memory, a process pair each
     python benchmarks/overhead.py --model mlp25m --interleave --repeats 5   # time ratios, every method in turns

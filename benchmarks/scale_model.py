@@ -49,7 +49,7 @@ terms); ``validate`` shows how far it is from this machine's measured steps.
     sudo python benchmarks/scale_model.py calibrate --json benchmarks/results/scale_links.json
     python benchmarks/scale_model.py validate --profile benchmarks/results/scale_profile.json \\
         --links benchmarks/results/scale_links.json \\
-        --measured benchmarks/results/network_nodes.json benchmarks/results/network_mnist_mlp.json
+        --measured benchmarks/results/network_mlp_2x2.json benchmarks/results/network_mnist_mlp_4x1.json
     python benchmarks/scale_model.py measure-diloco --profile benchmarks/results/scale_profile.json
     python benchmarks/scale_model.py predict --profile benchmarks/results/scale_profile.json \\
         --plot benchmarks/results/scale_model.png --json benchmarks/results/scale_model.json

@@ -6,7 +6,7 @@ run, the cost of that derivation per unit (SplitMix64 mix + ``manual_seed``) and
 units of real models, against what the draws themselves cost (``torch.rand`` of every compressed
 element, which TernGrad and the quantizer need anyway) on the same device.
 
-    python benchmarks/streams.py [--device cuda] [--json benchmarks/results/streams.json]
+    python benchmarks/streams.py [--device cuda] [--json benchmarks/results/streams_mlp_resnet20.json]
 """
 
 from __future__ import annotations

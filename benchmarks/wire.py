@@ -16,7 +16,7 @@ was sent:
 * ATOMO and PowerSGD: their payloads (floats have no smaller description here);
 * parameters left dense: 32 bits per element.
 
-    python benchmarks/wire.py --json results/wire.json
+    python benchmarks/wire.py --json benchmarks/results/wire_resnet20_alexnet.json
 """
 
 from __future__ import annotations
