@@ -29,17 +29,17 @@ OURS = (
 TORCH_METHODS = ("dense", "fp16", "powersgd", "powersgd:start-10pct")
 #: PyTorch's advice for ``start_powerSGD_iter``: "start with 10% of total training steps" (powerSGD_hook.py).
 POWERSGD_DOCUMENTED_START = 0.1
-#: The presets' arguments before issue 31 that differ now: the Top-k family at density 0.001 with a 200-step
+#: The presets' arguments before the adaptive presets (Accordion, density 0.01, bfloat16 values) that differ now: the Top-k family at density 0.001 with a 200-step
 #: density warm-up from 25%, float32 values; PowerSGD and ATOMO after 100 dense steps. The tables' earlier rows
 #: (and the variants built on them) were measured with these.
 PREVIOUS_SPARSIFIER = {"density": 0.001, "adaptive": "none", "density_warmup_steps": 200, "wire_precision": None}
 PREVIOUS_DENSE_START = {"adaptive": "none", "warmup_steps": 100}
 #: ``name -> (named strategy, arguments that replace the preset's)``.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    # the presets as they were before issue 31
+    # the presets as they were before the adaptive presets
     **{f"{preset}:previous": (preset, PREVIOUS_SPARSIFIER) for preset in ("ddp_topk", "ddp_gaussiank", "ddp_gtopk")},
     **{f"{preset}:previous": (preset, PREVIOUS_DENSE_START) for preset in ("ddp_powersgd", "ddp_atomo")},
-    # the Top-k presets before issue 14: density 0.001 from the first compressed step, logits compressed
+    # the first Top-k presets: density 0.001 from the first compressed step, logits compressed
     "ddp_topk:no-warmup": (
         "ddp_topk",
         {**PREVIOUS_SPARSIFIER, "density_warmup_steps": 0, "keep_last_layer_dense": False},
@@ -49,7 +49,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         {**PREVIOUS_SPARSIFIER, "density_warmup_steps": 0, "keep_last_layer_dense": False},
     ),
     # DGC's momentum correction (momentum 0.9 on each rank before sparsifying; the optimizer adds none to
-    # the compressed parameters), on the preset before issue 31
+    # the compressed parameters), on the preset before the adaptive presets
     "ddp_topk:momentum-correction": ("ddp_topk", {**PREVIOUS_SPARSIFIER, "memory_kwargs": {"momentum": 0.9}}),
     # DIANA's QSGD without the shifts h_i: the memoryless baseline of Mishchenko et al.'s comparison (QSGD alone)
     "ddp_diana:no-memory": ("ddp_diana", {"memory": "none"}),
@@ -62,15 +62,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # DIANA's QSGD in blocks of 64 (omega bound 1.14 instead of 3.2; 4.5 bits per element instead of 4.06):
     # what closed the quickstart's gap (2 ranks, flat teacher-task gradients)
     "ddp_diana:block-64": ("ddp_diana", {"compressor_kwargs": {"block_size": 64}}),
-    # the ATOMO preset before issue 14: compressed from step 2 on; and with a larger budget instead
-    # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting), on the preset before issue 31
+    # the first ATOMO preset: compressed from step 2 on; and with a larger budget instead
+    # (expected atoms per layer; the preset's 3 is the authors' ResNet-18 setting), on the preset before the
+    # adaptive presets
     "ddp_atomo:no-dense-warmup": ("ddp_atomo", {"adaptive": "none", "warmup_steps": 1}),
     "ddp_atomo:no-dense-warmup-budget-8": (
         "ddp_atomo",
         {"adaptive": "none", "warmup_steps": 1, "compressor_kwargs": {"budget": 8}},
     ),
     "ddp_atomo:budget-16": ("ddp_atomo", {**PREVIOUS_DENSE_START, "compressor_kwargs": {"budget": 16}}),
-    # random-k at Top-k's density and warm-up before issue 31, unscaled with error feedback (Stich et al., 2018)
+    # random-k at Top-k's density and warm-up before the adaptive presets, unscaled with error feedback (Stich et al., 2018)
     "ddp_topk:randomk": (
         "ddp_topk",
         {**PREVIOUS_SPARSIFIER, "compressor": "randomk", "compressor_kwargs": {"scaled": False}},

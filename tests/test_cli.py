@@ -48,7 +48,9 @@ def test_help_lists_registered_strategies_and_compressors(argv: list[str], capsy
     assert "ddp_topk" in out and "registered strategies" in out and "compressors" in out
 
 
-def test_gradcomp_strategies_prints_every_registered_name_with_what_it_sends(capsys: pytest.CaptureFixture[str]) -> None:
+def test_gradcomp_strategies_prints_every_registered_name_with_what_it_sends(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["strategies"]) == 0
     out = capsys.readouterr().out
     for name in gradcomp_strategies():
