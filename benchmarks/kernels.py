@@ -1,4 +1,5 @@
-"""The kernel-level costs behind the hook's kept buffers and streamed codecs: why the hook keeps its buffers, streams and selects as it does.
+"""The kernel-level costs behind the hook's kept buffers and streamed codecs: why the hook keeps its buffers, streams
+and selects as it does.
 
 Each line times two ways of doing the same thing on a 25M-element tensor (the 25.2M MLP's gradient), a
 4096 x 4096 layer (its largest) or one of its layers' gradients, best of ``--repeats``, on one CPU thread

@@ -29,8 +29,9 @@ OURS = (
 TORCH_METHODS = ("dense", "fp16", "powersgd", "powersgd:start-10pct")
 #: PyTorch's advice for ``start_powerSGD_iter``: "start with 10% of total training steps" (powerSGD_hook.py).
 POWERSGD_DOCUMENTED_START = 0.1
-#: The presets' arguments before the adaptive presets (Accordion, density 0.01, bfloat16 values) that differ now: the Top-k family at density 0.001 with a 200-step
-#: density warm-up from 25%, float32 values; PowerSGD and ATOMO after 100 dense steps. The tables' earlier rows
+#: The presets' arguments before the adaptive presets (Accordion, density 0.01, bfloat16 values) that differ now: the
+#: Top-k family at density 0.001 with a 200-step density warm-up from 25%, float32 values; PowerSGD and ATOMO after
+#: 100 dense steps. The tables' earlier rows
 #: (and the variants built on them) were measured with these.
 PREVIOUS_SPARSIFIER = {"density": 0.001, "adaptive": "none", "density_warmup_steps": 200, "wire_precision": None}
 PREVIOUS_DENSE_START = {"adaptive": "none", "warmup_steps": 100}
@@ -71,7 +72,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         {"adaptive": "none", "warmup_steps": 1, "compressor_kwargs": {"budget": 8}},
     ),
     "ddp_atomo:budget-16": ("ddp_atomo", {**PREVIOUS_DENSE_START, "compressor_kwargs": {"budget": 16}}),
-    # random-k at Top-k's density and warm-up before the adaptive presets, unscaled with error feedback (Stich et al., 2018)
+    # random-k at Top-k's density and warm-up before the adaptive presets, unscaled with error feedback (Stich et al.,
+    # 2018)
     "ddp_topk:randomk": (
         "ddp_topk",
         {**PREVIOUS_SPARSIFIER, "compressor": "randomk", "compressor_kwargs": {"scaled": False}},
