@@ -198,7 +198,7 @@ def attach(
 
 #: DiLoCo's named strategies, and torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, dense fp32 outer gradients: its
 #: ``should_quantize`` needs Triton, GPU only) with the paper's outer SGD (lr 0.7, Nesterov momentum 0.9).
-LOCAL_SGD = ("ddp_diloco", "ddp_diloco_topk", "ddp_diloco_qsgd", "torchft_diloco")
+LOCAL_SGD = ("ddp_diloco", "ddp_diloco_topk", "ddp_diloco_sparseloco", "ddp_diloco_qsgd", "torchft_diloco")
 
 
 #: ``name -> (DiLoCo method, (outer lr, outer Nesterov momentum))``: the paper's outer SGD (0.7, 0.9) set for H = 500
@@ -208,9 +208,21 @@ LOCAL_SGD_VARIANTS: dict[str, tuple[str, tuple[float, float]]] = {
 }
 
 
+def sync_interval(method: str) -> tuple[str, int | None]:
+    """``(name, H)``: a DiLoCo method ``name@H`` synchronises every ``H`` steps (``None``: the run's ``--sync-every``),
+    so one run can hold a method at several intervals (``ddp_diloco@30,ddp_diloco@10``)."""
+    name, at, h = method.partition("@")
+    if not at:
+        return name, None
+    if not h.isdigit() or int(h) < 1:
+        raise SystemExit(f"{method!r}: the interval after '@' must be a whole number of steps >= 1")
+    return name, int(h)
+
+
 def is_local_sgd(method: str) -> bool:
     """Whether ``method`` trains without DDP and synchronises every H steps (DiLoCo)."""
-    return method in LOCAL_SGD or method in LOCAL_SGD_VARIANTS
+    name, _ = sync_interval(method)
+    return name in LOCAL_SGD or name in LOCAL_SGD_VARIANTS
 
 
 class LocalSGD:
@@ -219,6 +231,8 @@ class LocalSGD:
 
     def __init__(self, method: str, model, optimizer, sync_every: int, seed: int = 0) -> None:
         self.method, self.history, self._close = method, [], lambda: None
+        method, interval = sync_interval(method)
+        self.sync_every = sync_every = interval or sync_every
         method, (outer_lr, outer_momentum) = LOCAL_SGD_VARIANTS.get(method, (method, (0.7, 0.9)))
         if method == "torchft_diloco":
             self.sync = None
@@ -227,6 +241,7 @@ class LocalSGD:
         from lightning_gradcomp.diloco import DILOCO_PRESETS, OuterSync
 
         arguments = dict(DILOCO_PRESETS[method][1])
+        arguments.pop("sync_every", None)  # the run's, or the method's @H
         if "compressor" in arguments:
             arguments["seed"] = seed
         if "outer_lr" not in arguments:

@@ -219,7 +219,7 @@ def _local_sgd_steps(method: str, model, batches, args: argparse.Namespace, rank
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     local = LocalSGD(method, model, optimizer, args.sync_every)
-    h = args.sync_every
+    h = local.sync_every  # the run's --sync-every, or the method's own @H
     timed_steps = h * math.ceil(args.steps / h)
 
     try:
@@ -420,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"ranks": args.ranks, "nodes": args.nodes, "batch": args.batch, "model": args.model,
                               "width": args.width, "single_process_images_per_s": single, "sync_every": args.sync_every,
                               "rates": {}}  # fmt: skip
+    if args.model == "stdlib-lm":  # what the model is trained on elsewhere (here: random bytes of its shape)
+        from lightning_gradcomp.examples.stdlib_corpus import read_stdlib_corpus
+
+        report["corpus"] = read_stdlib_corpus().summary
     rates = args.rate or ["100mbit", "1gbit"]
     for rate in rates:
         network = Network(args.nodes, rate, args.ranks_per_node) if args.nodes else Network(args.ranks, rate)

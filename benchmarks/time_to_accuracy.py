@@ -38,6 +38,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,10 @@ from methods import (
     hsdp_model,
     is_local_sgd,
     powersgd_start,
+    sync_interval,
 )
 from paired import paired_difference, verdict
-from workloads import CONTEXT, MODELS, build_model, markov_corpus
+from workloads import CONTEXT, LANGUAGE_MODELS, MODELS, STDLIB_CONTEXT, build_model, markov_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "mnist"
@@ -83,6 +85,16 @@ def _text(holdout: int) -> tuple[Any, Any]:
     return (train[:, :-1], train[:, 1:]), (val[:, :-1], val[:, 1:])
 
 
+def _stdlib_text(holdout: int) -> tuple[tuple[Any, Any], tuple[Any, Any], dict]:
+    """(train, validation) windows of the standard library's source (``stdlib-lm``), as bytes: inputs and next bytes,
+    the first ``holdout`` windows of the held-out files for validation; and the corpus's summary (what it is)."""
+    from lightning_gradcomp.examples.stdlib_corpus import read_stdlib_corpus, windows
+
+    corpus = read_stdlib_corpus()
+    train, val = windows(corpus.train, STDLIB_CONTEXT), windows(corpus.validation, STDLIB_CONTEXT)[:holdout]
+    return (train[:, :-1], train[:, 1:]), (val[:, :-1], val[:, 1:]), corpus.summary
+
+
 def _batches(seed: int, n: int, global_batch: int, steps: int):
     """Indices of each step's global batch: a fresh permutation of the ``n`` images per epoch, from ``seed``."""
     import torch
@@ -105,7 +117,7 @@ def _validate(model, name: str, val, rank: int, world: int) -> float:
     x, y = val[0][rank::world], val[1][rank::world]
     model.eval()
     with torch.no_grad():
-        if name == "lm":
+        if name in LANGUAGE_MODELS:
             score = sum(float(workloads.loss(name, model(x[i : i + 64]), y[i : i + 64])) * y[i : i + 64].numel()
                         for i in range(0, len(x), 64))  # fmt: skip
             counts = torch.tensor([score, y.numel()], dtype=torch.float64)
@@ -114,7 +126,7 @@ def _validate(model, name: str, val, rank: int, world: int) -> float:
             counts = torch.tensor([correct, len(x)], dtype=torch.float64)
     model.train()
     dist.all_reduce(counts)
-    return float(counts[0] / counts[1]) * (1.0 if name == "lm" else 100.0)
+    return float(counts[0] / counts[1]) * (1.0 if name in LANGUAGE_MODELS else 100.0)
 
 
 def metric_sign(curves: dict) -> float:
@@ -141,6 +153,8 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from lightning_gradcomp.examples.gpt import warmup_cosine
+
     (train_x, train_y), val = data
     torch.manual_seed(seed)
     model = build_model(args.model)
@@ -151,13 +165,22 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     else:
         forward = model if local_sgd else DistributedDataParallel(model)
         hook = None if local_sgd else attach(method, forward, model, seed=seed, steps=args.steps)
-    if args.model == "lm":  # a Transformer: AdamW, as such models are trained
+    if args.model == "stdlib-lm":  # a GPT: AdamW (betas 0.9, 0.95; weight decay on matrices), warm-up, cosine decay
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    elif args.model == "lm":  # a Transformer: AdamW, as such models are trained
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     else:
         optimizer = torch.optim.SGD(_parameter_groups(model, hook, args.momentum), lr=args.lr)
-    # linear learning-rate warm-up (Goyal et al., 2017, Sec. 2.2): 0 -> lr over the first --lr-warmup steps
+    # linear learning-rate warm-up (Goyal et al., 2017, Sec. 2.2): 0 -> lr over the first --lr-warmup steps; with
+    # --lr-schedule cosine, then a cosine decay to a tenth of lr at the last step (Loshchilov and Hutter, 2017)
     warmup = max(args.lr_warmup, 0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0)
+    if args.lr_schedule == "cosine":
+        factor = partial(warmup_cosine, warmup=warmup, total=args.steps)
+    else:
+        factor = lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0  # noqa: E731
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     local = LocalSGD(method, model, optimizer, args.sync_every, seed) if local_sgd else None
     curve, start = [], time.perf_counter()
     try:
@@ -182,7 +205,7 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
         "phases": phases(history) if hook is not None else None,
         "final": curve[-1][1],
         "seconds": time.perf_counter() - start,
-        **({"sync_every": args.sync_every} if local_sgd else {}),
+        **({"sync_every": local.sync_every} if local is not None else {}),
         "bytes_sent_per_step": statistics.mean(s.bytes_sent for s in compressed) if compressed else None,
         "dense_bytes_per_step": statistics.mean(s.dense_bytes for s in compressed) if compressed else None,
     }
@@ -213,11 +236,17 @@ def _train_worker(rank: int, world: int, args: argparse.Namespace, store: str) -
                             timeout=timedelta(seconds=args.timeout))  # fmt: skip
     failure = None
     try:
-        data = _text(args.holdout) if args.model == "lm" else _mnist(args.data_dir, args.holdout)
-        settings = ("model", "ranks", "batch", "lr", "lr_warmup", "momentum", "steps", "eval_every", "seeds",
-                    "sync_every")  # fmt: skip
+        corpus = None
+        if args.model == "stdlib-lm":
+            *data, corpus = _stdlib_text(args.holdout)
+        else:
+            data = _text(args.holdout) if args.model == "lm" else _mnist(args.data_dir, args.holdout)
+        settings = ("model", "ranks", "batch", "lr", "lr_warmup", "lr_schedule", "momentum", "steps", "eval_every",
+                    "seeds", "sync_every")  # fmt: skip
         report: dict[str, Any] = {key: getattr(args, key) for key in settings}
-        report["metric"] = "loss" if args.model == "lm" else "accuracy"
+        report["metric"] = "loss" if args.model in LANGUAGE_MODELS else "accuracy"
+        if corpus is not None:
+            report["corpus"] = corpus
         report["holdout"], report["runs"] = args.holdout, {}
         for seed in args.seeds:
             for method in args.methods.split(","):
@@ -572,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     t = commands.add_parser("train", help="accuracy curves of every method and seed (real gloo ranks)")
-    t.add_argument("--model", default="lenet", choices=["lenet", "mnist-mlp", "lm"])
+    t.add_argument("--model", default="lenet", choices=["lenet", "mnist-mlp", "lm", "stdlib-lm"])
     t.add_argument("--methods", default=DEFAULT_TRAIN_METHODS)
     t.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     t.add_argument("--ranks", type=int, default=4)
@@ -584,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--momentum", type=float, default=0.9)
     t.add_argument("--lr-warmup", type=int, default=0, help="steps of linear learning-rate warm-up from 0")
+    t.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="after the warm-up: constant, or a cosine decay to a tenth at the last step")  # fmt: skip
     t.add_argument("--data-dir", default=str(DEFAULT_DATA))
     t.add_argument("--holdout", type=int, default=2000,
                    help="last images of t10k (lm: windows of the corpus) used for validation")  # fmt: skip
@@ -607,9 +638,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--ranks must be >= 2, --steps and --eval-every >= 1, --seeds distinct")
         if args.model not in MODELS:
             parser.error(f"--model must be one of {list(MODELS)}")
-        if args.sync_every < 1 or args.eval_every % args.sync_every or args.steps % args.sync_every:
+        intervals = {args.sync_every} | {h for m in args.methods.split(",") if (h := sync_interval(m)[1]) is not None}
+        if min(intervals) < 1 or any(args.eval_every % h or args.steps % h for h in intervals):
             parser.error(
-                "--sync-every must be >= 1 and divide --eval-every and --steps (DiLoCo is evaluated after a sync)"
+                f"--sync-every and every method's @H must be >= 1 and divide --eval-every and --steps (DiLoCo is "
+                f"evaluated after a sync); got {sorted(intervals)}"
             )
         return train(args)
     if args.final_window < 0:

@@ -2,7 +2,9 @@
 
 Image classifiers take ``(batch, *shape)`` float inputs and integer labels. The language model
 ``lm`` takes ``(batch, CONTEXT)`` token ids and predicts each next token; its text is generated
-here (:func:`markov_corpus`), so that nothing is downloaded.
+here (:func:`markov_corpus`), so that nothing is downloaded. ``stdlib-lm``, a byte-level GPT
+(:mod:`lightning_gradcomp.examples.gpt`), reads real text that ships with every Python: the standard
+library's own source (:mod:`lightning_gradcomp.examples.stdlib_corpus`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ MODELS: dict[str, tuple[str, tuple[int, ...]]] = {
     "mnist-mlp": ("MLP on 1x28x28 MNIST images, 784-1024-1024-10 (1.86M parameters)", (1, 28, 28)),
     "lm": ("causal Transformer language model: 2 layers, width 128, 4 heads, 64 tokens of context, a vocabulary "
            "of 64 (0.42M parameters)", (64,)),
+    "stdlib-lm": ("byte-level GPT on the CPython standard library's source: 4 layers, width 128, 4 heads, 128 bytes "
+                  "of context (0.88M parameters)", (128,)),
 }  # fmt: skip
+#: The language models: validated by their loss (nats per token), trained with AdamW.
+LANGUAGE_MODELS = ("lm", "stdlib-lm")
+#: The byte-level GPT's context.
+STDLIB_CONTEXT = 128
 
 #: The language model's vocabulary and context.
 VOCAB = 64
@@ -42,6 +50,10 @@ def build_model(name: str, width: int = 512):
         return mlp(784, 1024)
     if name == "lm":
         return CausalTransformer()
+    if name == "stdlib-lm":
+        from lightning_gradcomp.examples.gpt import ByteGPT
+
+        return ByteGPT(context=STDLIB_CONTEXT)
     raise KeyError(f"unknown model {name!r}; choose from {list(MODELS)}")
 
 
@@ -49,8 +61,8 @@ def loss(name: str, output, target):
     """The training loss of model ``name``'s ``output``: cross-entropy over classes, or over every next token."""
     from torch import nn
 
-    if name == "lm":
-        return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    if name in LANGUAGE_MODELS:
+        return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1).long())
     return nn.functional.cross_entropy(output, target)
 
 
@@ -58,8 +70,9 @@ def random_batch(name: str, batch: int, generator):
     """Random inputs and targets of model ``name``'s shapes (what a step costs does not depend on the values)."""
     import torch
 
-    if name == "lm":
-        tokens = torch.randint(0, VOCAB, (batch, CONTEXT + 1), generator=generator)
+    if name in LANGUAGE_MODELS:
+        vocab, context = (VOCAB, CONTEXT) if name == "lm" else (256, STDLIB_CONTEXT)
+        tokens = torch.randint(0, vocab, (batch, context + 1), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
     shape = MODELS[name][1]
     return torch.randn(batch, *shape, generator=generator), torch.randint(0, 10, (batch,), generator=generator)

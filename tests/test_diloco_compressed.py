@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import CompressionMonitor
-from lightning_gradcomp.core.compressors import TopKCompressor
+from lightning_gradcomp.core.compressors import ChunkedTopKCompressor, SparseEntries, TopKCompressor
 from lightning_gradcomp.core.compressors.lowbit import TwoBitValues
 from lightning_gradcomp.diloco import GradCompDiLoCoStrategy, OuterSync
 from lightning_gradcomp.diloco.presets import DILOCO_PRESETS, SPARSELOCO_DENSITY, SPARSELOCO_EF_DECAY
@@ -45,6 +45,7 @@ DIANA_MIXED = {"compressor": "qsgd", "memory": "diana", "min_compress_numel": 30
 def _preset(name: str) -> dict[str, Any]:
     """A DiLoCo preset's arguments (or :data:`DIANA_MIXED`'s) as :class:`OuterSync` takes them."""
     arguments = dict(DIANA_MIXED if name == "diana-mixed" else DILOCO_PRESETS[name][1])
+    arguments.pop("sync_every", None)  # each test sets its own
     outer = {key: arguments.pop(key) for key in ("outer_lr", "outer_momentum", "nesterov") if key in arguments}
     return {**outer, **arguments}
 
@@ -80,17 +81,20 @@ def _train(rank: int, world_size: int, preset: str, stop_at: int | None = None) 
     }
 
 
-#: ``send(rank, synchronisation, name, e) -> sent``: what a rank's compressor makes of its error-fed outer gradient
-Send = Callable[[int, int, str, torch.Tensor], torch.Tensor]
+#: ``send(rank, synchronisation, name, e) -> entries``: what a rank's compressor sends of its error-fed outer gradient
+#: (``e`` in the parameter's shape)
+Send = Callable[[int, int, str, torch.Tensor], SparseEntries]
 #: ``outer(theta_prev, mean) -> theta``: the outer optimizer's step, every tensor in parameter order
 Outer = Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
 
 
-def _compressed_diloco_reference(world_size: int, send: Send, decay: float, outer: Outer) -> list[dict[str, Tensor]]:
+def _compressed_diloco_reference(
+    world_size: int, send: Send, decay: float, outer: Outer, over_choosers: bool = False
+) -> list[dict[str, Tensor]]:
     """DiLoCo (Douillard et al., 2023, Algorithm 1) with each rank's outer gradient compressed under error feedback,
     for every rank in one process in plain torch: ``e_r = delta_r + decay e_r``; ``sent_r = send(e_r)``;
-    ``e_r -= sent_r``; the mean ``sum_r sent_r / P`` (in rank order) goes to ``outer``; the weights after every
-    synchronisation."""
+    ``e_r -= sent_r``; the mean ``sum_r sent_r / P`` (in rank order; ``over_choosers``: each entry's sum over the
+    ranks that sent it, divided by their number) goes to ``outer``; the weights after every synchronisation."""
     models = [_wide_model() for _ in range(world_size)]
     names = [name for name, _ in models[0].named_parameters()]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
@@ -103,17 +107,23 @@ def _compressed_diloco_reference(world_size: int, send: Send, decay: float, oute
         if (step + 1) % H:
             continue
         with torch.no_grad():
-            sent = []
+            sent, chosen = [], []
             for rank in range(world_size):
-                parts = []
+                parts, masks = [], []
                 for i, p in enumerate(models[rank].parameters()):
                     e = (previous[i] - p).add_(errors[rank][i], alpha=decay)
-                    part = send(rank, (step + 1) // H - 1, names[i], e.reshape(-1)).view_as(p)
+                    payload = send(rank, (step + 1) // H - 1, names[i], e)
+                    part = torch.zeros(p.numel()).index_add_(0, payload.indices, payload.values).view_as(p)
                     errors[rank][i] = e - part
                     parts.append(part)
+                    masks.append(torch.zeros(p.numel()).index_fill_(0, payload.indices, 1.0).view_as(p))
                 sent.append(parts)
-            mean = [sum((sent[r][i] for r in range(world_size)), torch.zeros_like(previous[i])).div_(world_size)
-                    for i in range(len(previous))]  # fmt: skip
+                chosen.append(masks)
+            mean = []
+            for i in range(len(previous)):
+                total = sum((sent[r][i] for r in range(world_size)), torch.zeros_like(previous[i]))
+                count = sum(chosen[r][i] for r in range(world_size)).clamp(min=1) if over_choosers else world_size
+                mean.append(total.div_(count))
             previous = outer(previous, mean)
             for model in models:
                 for p, a in zip(model.parameters(), previous, strict=True):
@@ -128,10 +138,42 @@ def _sparseloco_reference(world_size: int) -> list[dict[str, torch.Tensor]]:
     codec = TwoBitValues(TopKCompressor(SPARSELOCO_DENSITY))
     return _compressed_diloco_reference(
         world_size,
-        lambda rank, synchronisation, name, e: codec.decompress(codec.compress(e)),
+        lambda rank, synchronisation, name, e: codec.compress(e.reshape(-1)).entries(),
         SPARSELOCO_EF_DECAY,
-        lambda previous, mean: [a - m for a, m in zip(previous, mean, strict=True)],
+        _plain_outer_step,
     )
+
+
+def _plain_outer_step(previous: list[Tensor], mean: list[Tensor]) -> list[Tensor]:
+    return [a - m for a, m in zip(previous, mean, strict=True)]  # outer SGD, lr 1, no momentum
+
+
+def _faithful_sparseloco_reference(world_size: int) -> list[dict[str, Tensor]]:
+    """SparseLoCo as its reference configuration runs it: Top-64 of every 64 x 64 chunk with 4-bin 2-bit values (the
+    selection and the bins tested against their definitions in test_sparseloco.py), ``e = delta + 0.95 e``, each index
+    averaged over the ranks that chose it, outer SGD of lr 1."""
+    codec = ChunkedTopKCompressor()
+    return _compressed_diloco_reference(
+        world_size, lambda rank, synchronisation, name, e: codec.compress(e).entries(), SPARSELOCO_EF_DECAY,
+        _plain_outer_step,
+        over_choosers=True,
+    )  # fmt: skip
+
+
+def test_sparseloco_as_its_reference_configuration_runs_it_is_the_papers_loop() -> None:
+    """Catches: a sum divided by the world instead of each index's mean over its choosers (a step shrunk by the ranks
+    that did not choose it), the chunked selection or the bins changed, the decay or the outer step changed."""
+    ranks = run_ranks(_train, 2, "ddp_diloco_sparseloco")
+    reference = _faithful_sparseloco_reference(2)
+    codec = ChunkedTopKCompressor()
+    payload_bytes = sum(codec.payload_nbytes(p.shape, p.dtype) for p in _wide_model().parameters())
+    for rank in ranks:
+        for ours, expected, rank0 in zip(rank["after_syncs"], reference, ranks[0]["after_syncs"], strict=True):
+            for name, value in ours.items():
+                assert torch.equal(value, rank0[name]), name
+                assert torch.equal(value, expected[name]), name
+        sent = {s[1] for s in rank["history"] if s[0]}
+        assert sent == {payload_bytes}  # one gather of fixed-size payloads a synchronisation, no size exchange
 
 
 def test_sparseloco_is_the_plain_torch_reference_and_sends_exactly_its_payloads() -> None:
@@ -155,7 +197,7 @@ def _straight_and_restored(rank: int, world_size: int, preset: str) -> tuple[dic
     return _train(rank, world_size, preset), _train(rank, world_size, preset, stop_at=H + 2)
 
 
-@pytest.mark.parametrize("preset", ["ddp_diloco_topk", "ddp_diloco_qsgd", "diana-mixed"])
+@pytest.mark.parametrize("preset", ["ddp_diloco_topk", "ddp_diloco_sparseloco", "ddp_diloco_qsgd", "diana-mixed"])
 def test_a_plain_loop_restored_between_synchronisations_ends_where_the_straight_one_does(preset: str) -> None:
     ranks = run_ranks(_straight_and_restored, 3, preset)
     for straight, restored in ranks:
@@ -222,7 +264,9 @@ def _lightning_resumed(rank: int, world_size: int, out: str, preset: str) -> dic
     return {"resumed": resumed, "plain": _plain(rank, world_size, 2 * EPOCH, preset)}
 
 
-@pytest.mark.parametrize(("world_size", "preset"), [(2, "ddp_diloco_qsgd"), (3, "ddp_diloco_topk")])
+@pytest.mark.parametrize(
+    ("world_size", "preset"), [(2, "ddp_diloco_qsgd"), (3, "ddp_diloco_topk"), (2, "ddp_diloco_sparseloco")]
+)
 def test_the_trainer_resumes_a_compressed_exchange_between_synchronisations(
     world_size: int, preset: str, tmp_path: Path
 ) -> None:
@@ -263,7 +307,9 @@ def test_the_trainer_resumes_a_compressed_exchange_between_synchronisations(
         ({"compressor": "nope"}, "compressor must be one of"),
         ({"compressor": "topk", "aggregator": None}, "aggregator must be one of"),
         ({"compressor": "powersgd", "aggregator": "allreduce"}, "needs each tensor's own shape and a warm start"),
-        ({"compressor": "atomo"}, "needs each tensor's own shape"),
+        ({"compressor": "qsgd", "aggregator": "allgather_choosers"}, "sends no chosen entries"),
+        ({"compressor": "chunked_topk", "aggregator": "gtopk"}, "aggregator='gtopk' merges sparse payloads"),
+        ({"compressor": "chunked_topk", "compressor_kwargs": {"quantization_bins": 3}}, "power of two"),
         ({"compressor": "terngrad", "compressor_kwargs": {"share_scale": True}}, "a scale shared over the ranks"),
         ({"compressor": "qsgd", "aggregator": "gtopk"}, "aggregator='gtopk' merges sparse payloads"),
         ({"aggregator": "allgather"}, "pass compressor= too"),
@@ -595,9 +641,10 @@ def _qsgd_paper_reference(world_size: int) -> list[dict[str, torch.Tensor]]:
     lr, mu = 0.7, 0.9
     velocity: list[torch.Tensor] = []
 
-    def send(rank: int, synchronisation: int, name: str, e: torch.Tensor) -> torch.Tensor:
+    def send(rank: int, synchronisation: int, name: str, e: torch.Tensor) -> SparseEntries:
         draws = UnitStreams(0, rank).generator(e.device, synchronisation, unit_key([name]))
-        return codec.decompress(codec.compress(e, draws))
+        dense = codec.decompress(codec.compress(e.reshape(-1), draws))
+        return SparseEntries(torch.arange(dense.numel()), dense, dense.numel())  # every entry sent
 
     def nesterov(previous: list[torch.Tensor], mean: list[torch.Tensor]) -> list[torch.Tensor]:
         # the sums ``a + alpha * b`` written as torch's SGD takes them (one add with alpha: fused where the CPU can,

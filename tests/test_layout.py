@@ -95,7 +95,7 @@ PUBLIC = [
 TRAINER_NAMES = {
     "ddp_gradcomp", "ddp_gradcomp_dense", "ddp_atomo", "ddp_diana", "ddp_efsign", "ddp_fp16", "ddp_bf16",
     "ddp_gaussiank", "ddp_gtopk", "ddp_powersgd", "ddp_terngrad", "ddp_topk", "ddp_diloco", "ddp_diloco_topk",
-    "ddp_diloco_qsgd", "hsdp_gradcomp", "hsdp_topk", "hsdp_dense",
+    "ddp_diloco_qsgd", "ddp_diloco_sparseloco", "hsdp_gradcomp", "hsdp_topk", "hsdp_dense",
 }  # fmt: skip
 
 

@@ -19,8 +19,9 @@ Tensors with fewer than ``min_compress_numel`` elements are averaged densely in 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.comm import AGGREGATORS, Aggregate, Aggregator, Collectives, Contribution
@@ -34,17 +35,17 @@ from lightning_gradcomp.core.units import unit_key
 __all__ = ["CompressedAverage", "check_flat_compressor"]
 
 
-def check_flat_compressor(compressor: Compressor, owner: str, aggregator: str) -> None:
-    """``ValueError`` unless ``compressor`` compresses a flat tensor on its own: no matrix shapes or warm start
-    (PowerSGD, ATOMO), no scale agreed over the ranks first (TernGrad's ``share_scale``), and sparse payloads for
-    ``aggregator="gtopk"``; ``owner`` says who asks."""
-    shaped = compressor.needs_layer_shape or compressor.takes_shapes
+def check_flat_compressor(compressor: Compressor, owner: str, aggregator: str, shapes_known: bool = False) -> None:
+    """``ValueError`` unless ``compressor`` compresses each tensor on its own: no warm start (PowerSGD), no scale
+    agreed over the ranks first (TernGrad's ``share_scale``), a tensor's own shape only where ``owner`` knows it
+    (``shapes_known``: DiLoCo's parameters, not HSDP's flat shards), and sparse payloads for ``aggregator="gtopk"``."""
+    shaped = compressor.takes_shapes or (compressor.needs_layer_shape and not shapes_known)
     flags = (("each tensor's own shape", shaped), ("a warm start carried between steps", compressor.warm_started),
              ("a scale shared over the ranks", compressor.shares_scale))  # fmt: skip
     needs = [what for what, flag in flags if flag]
     if needs:
         raise ValueError(
-            f"compressor {compressor!r} needs {' and '.join(needs)}, which {owner} does not give (it compresses flat "
+            f"compressor {compressor!r} needs {' and '.join(needs)}, which {owner} does not give (it compresses "
             "tensors one by one); use topk, randomk, dgc, gaussiank, qsgd, quantizer, sign, or terngrad without "
             "share_scale"
         )
@@ -66,6 +67,9 @@ class CompressedAverage:
         collectives: the ranks' counted collectives; ``None`` alone (the average of one rank is its own payload).
         seed: base seed of the units' random streams (:mod:`lightning_gradcomp.core.randomness`).
         min_compress_numel: tensors with fewer elements are averaged densely.
+        shapes: each tensor's own shape, by name, for a compressor that works on it
+            (:attr:`~lightning_gradcomp.core.compressors.Compressor.needs_layer_shape`: SparseLoCo's chunks); the tensor
+            is compressed as that view of its flat form.
     """
 
     def __init__(
@@ -76,8 +80,10 @@ class CompressedAverage:
         collectives: Collectives | None,
         seed: int = 0,
         min_compress_numel: int = 0,
+        shapes: Mapping[str, torch.Size] | None = None,
     ) -> None:
         self.compressor, self.memory, self.collectives = compressor, memory, collectives
+        self._shapes = dict(shapes or {}) if compressor.needs_layer_shape else {}
         world = collectives.world_size if collectives is not None else 1
         if isinstance(aggregator, str):
             aggregator = AGGREGATORS[compressor.preferred_aggregator(world) if aggregator == "auto" else aggregator]()
@@ -105,7 +111,8 @@ class CompressedAverage:
             key = self._keys.get(name)
             if key is None:
                 key = self._keys[name] = unit_key([name])
-            payload = self.compressor.compress(x, self.streams.generator(x.device, step, key))
+            shaped = x.view(self._shapes[name]) if name in self._shapes else x
+            payload = self.compressor.compress(shaped, self.streams.generator(x.device, step, key))
             contributions.append(Contribution(self.compressor, payload))
             stats.numel_compressed += x.numel()
             stats.payload_bytes += payload.nbytes

@@ -95,7 +95,12 @@ def build_pipeline(
             f"aggregator='allreduce' sums compressed codes across ranks, which {built!r} cannot do "
             "as configured (TernGrad needs share_scale=True); use aggregator='allgather' or 'auto'"
         )
-    if aggregator in ("allgather", "gtopk") and not built.gatherable:
+    if aggregator == "allgather_choosers" and not built.selects_entries:
+        raise ValueError(
+            f"aggregator='allgather_choosers' averages each index over the ranks that chose it, and {built!r} sends no "
+            "chosen entries; use a selecting compressor (topk, chunked_topk, gaussiank, randomk) or 'allgather'"
+        )
+    if aggregator in ("allgather", "allgather_choosers", "gtopk") and not built.gatherable:
         raise ValueError(
             f"aggregator={aggregator!r} gathers each rank's payload bytes, but {built!r} is summed over "
             "ranks in rounds (each computed from the last one's sum); use aggregator='allreduce' or 'auto'"

@@ -89,7 +89,7 @@ def check_exchange_arguments(
     name = aggregator_name(aggregator)
     built = build_pipeline(compressor, compressor_kwargs, density, wire_precision, memory, memory_kwargs, name)
     codec = built[0]
-    check_flat_compressor(codec, "DiLoCo's exchange", name)
+    check_flat_compressor(codec, "DiLoCo's exchange", name, shapes_known=True)
     return built
 
 
@@ -177,7 +177,8 @@ class OuterSync:
         #: the compressed exchange (``None``: dense, as torchft)
         self.exchange: CompressedAverage | None = None
         if built is not None:
-            self.exchange = CompressedAverage(*built, aggregator, self.collectives, seed, min_compress_numel)
+            shapes = {name: p.shape for name, p in self._parameters}
+            self.exchange = CompressedAverage(*built, aggregator, self.collectives, seed, min_compress_numel, shapes)
         #: this rank's state between synchronisations (error feedback's residuals, DIANA's shifts)
         self.memory: Memory = built[1] if built is not None else NoMemory()
         #: one record per inner step, the latest last

@@ -6,6 +6,7 @@ from lightning_gradcomp.core.comm.aggregators import (
     Aggregator,
     AllgatherAggregator,
     AllreduceAggregator,
+    ChoosersAggregator,
     Contribution,
     Pending,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "Aggregator",
     "AllgatherAggregator",
     "AllreduceAggregator",
+    "ChoosersAggregator",
     "Collectives",
     "CommCounter",
     "Contribution",

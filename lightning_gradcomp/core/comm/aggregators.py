@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.comm.collectives import Collectives
 from lightning_gradcomp.core.compressors import Compressor, Entries, IdentityCompressor, Payload, all_finite
-from lightning_gradcomp.core.compressors.sparse import dense_of
+from lightning_gradcomp.core.compressors.sparse import SparseEntries, dense_of
 from lightning_gradcomp.core.workspace import Scratch
 
 
@@ -300,14 +300,38 @@ class AllgatherAggregator(Aggregator):
                     else:
                         payloads.append(c.codec.unpack(rows[r][offsets[r] : offsets[r] + size], shape, dtype))
                     offsets[r] += size
-                results.append(Aggregate(partial(_sum_of, c, payloads, world), _entries_finite(payloads), local=c))
+                results.append(Aggregate(partial(self.average, c, payloads, world), _entries_finite(payloads), local=c))
             return results
 
         return Pending(finish)
 
+    def average(self, c: Contribution, payloads: list[Payload], world: int, out: Tensor | None) -> Tensor:
+        """The mean of every rank's decoded payload (in rank order), written into ``out`` (or the default target)."""
+        return c.codec.accumulate_all(payloads, c.decode_target(out)).div_(world)
 
-def _sum_of(c: Contribution, payloads: list[Payload], world: int, out: Tensor | None) -> Tensor:
-    return c.codec.accumulate_all(payloads, c.decode_target(out)).div_(world)
+
+class ChoosersAggregator(AllgatherAggregator):
+    """Gather every rank's chosen entries, then average each index over the ranks that chose it.
+
+    SparseLoCo's reference configuration (Templar, ``scatter_reduce(..., reduce="mean", include_self=False)``) takes
+    this mean instead of the sum divided by the world: an index two of eight ranks chose is their mean, not a quarter of
+    it, so a sparse step is not shrunk by the ranks that did not choose it. Defined for payloads of chosen entries
+    (:attr:`~lightning_gradcomp.core.compressors.Compressor.selects_entries`); tensors left dense are averaged over
+    every rank, who all chose every entry.
+    """
+
+    name = "allgather_choosers"
+
+    def average(self, c: Contribution, payloads: list[Payload], world: int, out: Tensor | None) -> Tensor:
+        """Each index's sum over the ranks that chose it, divided by how many did (0 where none did)."""
+        total = c.codec.accumulate_all(payloads, c.decode_target(out))
+        choosers = torch.zeros(total.numel(), dtype=total.dtype, device=total.device)
+        for payload in payloads:
+            entries = payload.entries()
+            if not isinstance(entries, SparseEntries):
+                raise TypeError(f"{type(payload).__name__} carries no chosen entries to average over their choosers")
+            choosers.index_add_(0, entries.indices, torch.ones_like(entries.values, dtype=total.dtype))
+        return total.div_(choosers.clamp_(min=1))
 
 
 def _entries_finite(payloads: Sequence[Payload]) -> Callable[[], bool] | None:
@@ -344,4 +368,6 @@ def start_dense_apart(
     return Pending(finish)
 
 
-AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (AllreduceAggregator, AllgatherAggregator)}
+AGGREGATORS: dict[str, type[Aggregator]] = {
+    cls.name: cls for cls in (AllreduceAggregator, AllgatherAggregator, ChoosersAggregator)
+}

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor, AtomoPayload
 from lightning_gradcomp.core.compressors.base import Compressor, Entries, Payload, all_finite
+from lightning_gradcomp.core.compressors.chunked import ChunkedPayload, ChunkedTopKCompressor
 from lightning_gradcomp.core.compressors.dgc import DGCCompressor
 from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.core.compressors.identity import DensePayload, IdentityCompressor
@@ -26,6 +27,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
     for cls in (
         IdentityCompressor,
         TopKCompressor,
+        ChunkedTopKCompressor,
         GaussianKCompressor,
         DGCCompressor,
         RandomKCompressor,
@@ -63,6 +65,8 @@ __all__ = [
     "AtomoPayload",
     "BlockQuantizer",
     "CastPayload",
+    "ChunkedPayload",
+    "ChunkedTopKCompressor",
     "Compressor",
     "DGCCompressor",
     "DensePayload",

@@ -203,6 +203,13 @@ class Compressor(ABC):
         """The dense flat tensor the payload stands for."""
         return self.accumulate(payload, torch.zeros(payload.numel, dtype=payload.dtype, device=payload.device))
 
+    @property
+    def selects_entries(self) -> bool:
+        """Whether its payloads carry chosen entries (indices and values, :class:`~lightning_gradcomp.core.compressors.
+        SparseEntries`), so that the mean over the ranks that chose each index is defined
+        (``aggregator="allgather_choosers"``). Default: :attr:`sparse`."""
+        return self.sparse
+
     def preferred_aggregator(self, world_size: int) -> str:
         """The aggregator ``aggregator="auto"`` picks for ``world_size`` ranks: the one moving fewer bytes.
 

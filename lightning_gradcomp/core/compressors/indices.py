@@ -21,7 +21,16 @@ import sys
 import torch
 from torch import Tensor
 
-__all__ = ["decode_indices", "encode_indices", "encoded_nbytes", "index_format", "is_ascending", "low_bits"]
+__all__ = [
+    "decode_indices",
+    "encode_indices",
+    "encoded_nbytes",
+    "index_format",
+    "is_ascending",
+    "low_bits",
+    "pack_bits",
+    "unpack_bits",
+]
 
 
 def is_ascending(indices: Tensor) -> bool:
@@ -89,7 +98,7 @@ def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tens
     if kind == "bitmap":
         return _set_bits(indices, _bytes(n))
     low = low_bits(n, slots)
-    lows = _packed_values(indices & ((1 << low) - 1), low, _bytes(slots * low))
+    lows = pack_bits(indices & ((1 << low) - 1), low, _bytes(slots * low))
     # the i-th index's high part h_i is written as a one at h_i + i: the ones' positions rise by 1 + (h_{i+1} - h_i)
     ones = (indices >> low) + torch.arange(k, device=device)
     encoded = torch.cat([lows, _set_bits(ones, _bytes(slots + _high_values(n, low)))])
@@ -118,7 +127,7 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
         ones = _set_positions(buffer[low_size:], k)
         indices = (ones - torch.arange(k, device=device)) << low
         if low:
-            indices |= _unpacked_values(buffer[:low_size], k, low)
+            indices |= unpack_bits(buffer[:low_size], k, low)
     if check and k and int(indices[-1]) >= n:
         raise ValueError(f"an index {int(indices[-1])} is out of range for {n} elements")
     return indices
@@ -152,7 +161,7 @@ def _set_positions(buffer: Tensor, k: int) -> Tensor:
     return byte * 8 + bits.view(-1).index_select(0, values.index_select(0, byte) * 8 + rank)
 
 
-def _packed_values(values: Tensor, width: int, nbytes: int) -> Tensor:
+def pack_bits(values: Tensor, width: int, nbytes: int) -> Tensor:
     """The ``width`` low bits of each of ``values`` (non-negative), back to back, in ``nbytes`` bytes: each value
     added into the word its first bit falls in, and what spills past bit 63 into the next word."""
     words = torch.zeros(-(-nbytes // 8) + 1, dtype=torch.long, device=values.device)
@@ -164,8 +173,8 @@ def _packed_values(values: Tensor, width: int, nbytes: int) -> Tensor:
     return _bytes_of(words)[:nbytes]
 
 
-def _unpacked_values(buffer: Tensor, count: int, width: int) -> Tensor:
-    """:func:`_packed_values`' ``count`` values of ``width`` bits from ``buffer``."""
+def unpack_bits(buffer: Tensor, count: int, width: int) -> Tensor:
+    """:func:`pack_bits`' ``count`` values of ``width`` bits from ``buffer``."""
     words = _words_of(buffer, extra=1)
     start = torch.arange(count, device=buffer.device) * width
     word, shift = start >> 6, start & (_WORD - 1)

@@ -150,6 +150,10 @@ class TwoBitValues(Compressor):
     def bias_reason(self) -> str:
         return f"{self.inner.bias_reason}, and it rounds each value to one of two magnitudes per block"
 
+    @property
+    def selects_entries(self) -> bool:
+        return True
+
     def preferred_aggregator(self, world_size: int) -> str:
         return "allgather"
 
