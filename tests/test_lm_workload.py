@@ -31,8 +31,9 @@ def _write(folder: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_corpus_is_the_sorted_source_outside_tests_and_installed_packages(tmp_path: Path) -> None:
-    root = _write(tmp_path, {"b.py": "b = 2\n", "a.py": "a = 1\n", "pkg/c.py": "c = 3\n", "pkg/test/t.py": "t\n",
-                             "tests/u.py": "u\n", "site-packages/x/y.py": "y\n", "notes.txt": "not python\n"})  # fmt: skip
+    files = {"b.py": "b = 2\n", "a.py": "a = 1\n", "pkg/c.py": "c = 3\n", "pkg/test/t.py": "t\n", "tests/u.py": "u\n",
+             "site-packages/x/y.py": "y\n", "notes.txt": "not python\n"}  # fmt: skip
+    root = _write(tmp_path, files)
     assert [p.relative_to(root).as_posix() for p in corpus_files(root)] == ["a.py", "b.py", "pkg/c.py"]
     corpus = read_stdlib_corpus(root, validation_share=0.34, seed=0)
     summary = corpus.summary
