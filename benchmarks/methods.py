@@ -25,6 +25,8 @@ OURS = (
     "ddp_powersgd",
     "ddp_fp16",
     "ddp_bf16",
+    "ddp_int8",
+    "ddp_fp8",
 )
 TORCH_METHODS = ("dense", "fp16", "powersgd", "powersgd:start-10pct")
 #: PyTorch's advice for ``start_powerSGD_iter``: "start with 10% of total training steps" (powerSGD_hook.py).
@@ -117,13 +119,19 @@ def check_methods(methods: list[str]) -> None:
     """Raise ``SystemExit`` naming the methods that are neither PyTorch's, named strategies, variants nor DiLoCo's."""
     unknown = []
     for method in methods:
-        if method not in TORCH_METHODS and not is_local_sgd(method) and method not in HSDP_METHODS:
+        if (
+            method not in TORCH_METHODS
+            and not is_local_sgd(method)
+            and method not in HSDP_METHODS
+            and not (is_compressed_adam(method))
+        ):
             try:
                 strategy_arguments(method)
             except KeyError:
                 unknown.append(method)
     if unknown:
-        known = [*TORCH_METHODS, *OURS, *VARIANTS, *LOCAL_SGD, *LOCAL_SGD_VARIANTS, *HSDP_METHODS]
+        known = [*TORCH_METHODS, *OURS, *VARIANTS, *LOCAL_SGD, *LOCAL_SGD_VARIANTS, *LOCAL_SGD_WIRES, *HSDP_METHODS,
+                 *COMPRESSED_ADAM, *COMPRESSED_ADAM_VARIANTS]  # fmt: skip
         raise SystemExit(f"unknown methods {unknown}; choose from {known}")
 
 
@@ -219,10 +227,14 @@ def sync_interval(method: str) -> tuple[str, int | None]:
     return name, int(h)
 
 
+#: DiLoCo with its outer average on another wire (the paper's outer Nesterov SGD): ``name -> OuterSync arguments``
+LOCAL_SGD_WIRES: dict[str, dict[str, Any]] = {"ddp_diloco:int8": {"compressor": "int8", "aggregator": "two_phase"}}
+
+
 def is_local_sgd(method: str) -> bool:
     """Whether ``method`` trains without DDP and synchronises every H steps (DiLoCo)."""
     name, _ = sync_interval(method)
-    return name in LOCAL_SGD or name in LOCAL_SGD_VARIANTS
+    return name in LOCAL_SGD or name in LOCAL_SGD_VARIANTS or name in LOCAL_SGD_WIRES
 
 
 class LocalSGD:
@@ -240,7 +252,7 @@ class LocalSGD:
             return
         from lightning_gradcomp.diloco import DILOCO_PRESETS, OuterSync
 
-        arguments = dict(DILOCO_PRESETS[method][1])
+        arguments = dict(LOCAL_SGD_WIRES.get(method) or DILOCO_PRESETS[method][1])
         arguments.pop("sync_every", None)  # the run's, or the method's @H
         if "compressor" in arguments:
             arguments["seed"] = seed
@@ -321,6 +333,37 @@ def _torchft_diloco(model, optimizer, sync_every: int, outer_lr: float, outer_mo
         undo.close()  # in reverse: the hooks, the manager, the process group, the store, the patch, the lighthouse
 
     return close
+
+
+# ---------------------------------------------------------------- compressed Adam: the optimizer step exchanges
+
+#: Compressed Adam's named strategies; ``name@F`` freezes the variance after ``F`` optimizer steps (else the preset's).
+COMPRESSED_ADAM = ("ddp_onebit_adam", "ddp_topk_adam", "ddp_qsgd_adam")
+#: ``variant -> (preset, arguments that replace the preset's)``: 0/1 Adam's variance refreshed at exponentially
+#: spaced steps
+COMPRESSED_ADAM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp_onebit_adam:refresh": ("ddp_onebit_adam", {"variance_refresh": "exponential"}),
+}
+
+
+def is_compressed_adam(method: str) -> bool:
+    """Whether the optimizer step of ``method`` exchanges a compressed momentum (compressed Adam)."""
+    name, _ = sync_interval(method)
+    return name in COMPRESSED_ADAM or name in COMPRESSED_ADAM_VARIANTS
+
+
+def compressed_adam(method: str, optimizer, ddp, seed: int = 0, freeze_step: int | None = None):
+    """``method``'s :class:`~lightning_gradcomp.CompressedAdam` around ``optimizer``, installed on ``ddp``: the variance
+    frozen after ``freeze_step`` steps when given (a timing of the compressed stage), else the method's ``@F``, else
+    the preset's."""
+    from lightning_gradcomp import COMPRESSED_ADAM_PRESETS, CompressedAdam
+
+    name, freeze = sync_interval(method)
+    preset, changes = COMPRESSED_ADAM_VARIANTS.get(name, (name, {}))
+    arguments = {**COMPRESSED_ADAM_PRESETS[preset][1], **changes, "seed": seed}
+    if (freeze_step or freeze) is not None:
+        arguments["freeze_step"] = freeze_step or freeze
+    return CompressedAdam(optimizer, **arguments).install(ddp)
 
 
 # ---------------------------------------------------------------- HSDP on FSDP2: FSDP2's own, and ours compressed

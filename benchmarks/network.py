@@ -60,7 +60,9 @@ from methods import (
     LocalSGD,
     attach,
     check_methods,
+    compressed_adam,
     hsdp_model,
+    is_compressed_adam,
     is_local_sgd,
 )
 from workloads import MODELS, build_model, loss, random_batch
@@ -156,6 +158,9 @@ def worker(args: argparse.Namespace) -> None:
         if method in HSDP_METHODS:
             results.append(_hsdp_steps(method, model, batches, args, rank, world))
             continue
+        if is_compressed_adam(method):
+            results.append(_compressed_adam_steps(method, model, batches, args, rank, world))
+            continue
         ddp = DistributedDataParallel(model)
         try:
             hook = attach(method, ddp, model, overrides=AFTER_WARMUPS if args.after_warmups else None)
@@ -209,6 +214,29 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps([asdict(r) for r in results]))
     dist.destroy_process_group()
+
+
+def _compressed_adam_steps(method: str, model, batches, args: argparse.Namespace, rank: int, world: int) -> Result:
+    """Compressed Adam's compressed stage, frozen after 2 untimed steps (its warm-up is dense DDP's step: the time
+    model takes plain DDP's row for it), then ``--steps`` timed."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    adam = compressed_adam(method, optimizer, ddp, freeze_step=2)
+    _timed_steps(ddp, optimizer, batches, args, 0, max(args.warmup, 3))
+    tx_before = _link_tx_bytes()
+    elapsed = _timed_steps(ddp, optimizer, batches, args, max(args.warmup, 3), args.steps)
+    tx = _link_bytes_since(tx_before)
+    if rank == 0:
+        print(f"{method}: {elapsed / args.steps:.3f} s/step (compressed stage)", file=sys.stderr, flush=True)
+    timed = [s for s in adam.history if s.compressed][-args.steps :]
+    mean = lambda key: sum(getattr(s, key) for s in timed) / len(timed)  # noqa: E731
+    return Result(method, images_per_s=world * args.batch * args.steps / elapsed,
+                  seconds_per_step=elapsed / args.steps, bytes_sent_per_step=mean("bytes_sent"),
+                  dense_bytes_per_step=mean("dense_bytes"), bytes_received_per_step=mean("bytes_received"),
+                  link_bytes_per_step=float(tx) / args.steps, note="compressed Adam, its compressed stage")  # fmt: skip
 
 
 def _local_sgd_steps(method: str, model, batches, args: argparse.Namespace, rank: int, world: int) -> Result:

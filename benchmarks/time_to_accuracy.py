@@ -51,13 +51,17 @@ from methods import (
     LocalSGD,
     attach,
     check_methods,
+    compressed_adam,
     hsdp_model,
+    is_compressed_adam,
     is_local_sgd,
     powersgd_start,
     sync_interval,
 )
 from paired import paired_difference, verdict
 from workloads import CONTEXT, LANGUAGE_MODELS, MODELS, STDLIB_CONTEXT, build_model, markov_corpus
+
+from lightning_gradcomp import COMPRESSED_ADAM_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "mnist"
@@ -158,13 +162,13 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     (train_x, train_y), val = data
     torch.manual_seed(seed)
     model = build_model(args.model)
-    local_sgd = is_local_sgd(method)
+    local_sgd, adam = is_local_sgd(method), is_compressed_adam(method)
     exchange = hook = None
     if method in HSDP_METHODS:
         forward, exchange = hsdp_model(method, model, 2, world // 2)
     else:
         forward = model if local_sgd else DistributedDataParallel(model)
-        hook = None if local_sgd else attach(method, forward, model, seed=seed, steps=args.steps)
+        hook = None if local_sgd or adam else attach(method, forward, model, seed=seed, steps=args.steps)
     if args.model == "stdlib-lm":  # a GPT: AdamW (betas 0.9, 0.95; weight decay on matrices), warm-up, cosine decay
         groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                   {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
@@ -182,6 +186,8 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
         factor = lambda t: min(1.0, (t + 1) / warmup) if warmup else 1.0  # noqa: E731
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     local = LocalSGD(method, model, optimizer, args.sync_every, seed) if local_sgd else None
+    # compressed Adam takes the optimizer's step: built after the optimizer (and the schedule, which it keeps)
+    exchange = compressed_adam(method, optimizer, forward, seed) if adam else exchange
     curve, start = [], time.perf_counter()
     try:
         for step, indices in enumerate(_batches(seed, len(train_x), world * args.batch, args.steps), start=1):
@@ -201,6 +207,10 @@ def _train_one(method: str, seed: int, args: argparse.Namespace, data, rank: int
     history = list(recorder.history if recorder is not None else [])
     compressed = [s for s in history if not s.warmup]  # DiLoCo: every inner step, its synchronisations' bytes spread
     return {
+        # over every step of the run, warm-up and dense steps included (what the run sent in all)
+        "run_bytes_sent_per_step": statistics.mean(s.bytes_sent for s in history) if history else None,
+        "run_dense_bytes_per_step": statistics.mean(s.dense_bytes for s in history) if history else None,
+        **({"freeze_step": exchange.freeze_step} if adam else {}),
         "curve": curve,
         "phases": phases(history) if hook is not None else None,
         "final": curve[-1][1],
@@ -313,6 +323,12 @@ def measurements(network: dict, rate: str, steps: int) -> dict[str, dict]:
     for variant, (base, _) in LOCAL_SGD_VARIANTS.items():  # another outer step costs the same time
         if base in rows and variant not in rows:
             rows[variant] = {**rows[base], "method": variant}
+    for name, row in list(rows.items()):  # compressed Adam's warm-up: dense steps, at plain DDP's time
+        if is_compressed_adam(name) and "dense" in rows:
+            freeze = sync_interval(name)[1] or COMPRESSED_ADAM_PRESETS[sync_interval(name)[0].split(":")[0]][1].get(
+                "freeze_step", 100
+            )
+            rows[name] = {**row, "dense_steps": freeze, "warmup_seconds_per_step": rows["dense"]["seconds_per_step"]}
     if "powersgd" in rows and "dense" in rows:
         start = powersgd_start("powersgd:start-10pct", steps)
         rows["powersgd:start-10pct"] = {**rows["powersgd"], "method": "powersgd:start-10pct", "dense_steps": start,

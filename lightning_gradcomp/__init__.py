@@ -9,15 +9,31 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gradcomp.callbacks import BoundCheck, CompressionMonitor, GradientHistogram
-from lightning_gradcomp.core.comm import AGGREGATORS, AllgatherAggregator, AllreduceAggregator, GTopKAggregator
+from lightning_gradcomp.compressed_adam import (
+    COMPRESSED_ADAM_PRESETS,
+    CompressedAdam,
+    GradCompAdamFabricStrategy,
+    GradCompAdamStrategy,
+)
+from lightning_gradcomp.core.comm import (
+    AGGREGATORS,
+    AllgatherAggregator,
+    AllreduceAggregator,
+    ChoosersAggregator,
+    GTopKAggregator,
+    TwoPhaseAggregator,
+)
 from lightning_gradcomp.core.compressors import (
     COMPRESSORS,
     AtomoCompressor,
     BlockQuantizer,
+    ChunkedTopKCompressor,
     Compressor,
     DGCCompressor,
+    FP8Compressor,
     GaussianKCompressor,
     IdentityCompressor,
+    Int8Compressor,
     PowerSGDCompressor,
     QSGDCompressor,
     RandomKCompressor,
@@ -45,9 +61,12 @@ GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 GradCompDiLoCoFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 GradCompHSDPStrategy.register_strategies(StrategyRegistry)
 GradCompHSDPFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+GradCompAdamStrategy.register_strategies(StrategyRegistry)
+GradCompAdamFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "AGGREGATORS",
+    "COMPRESSED_ADAM_PRESETS",
     "COMPRESSORS",
     "DILOCO_PRESETS",
     "HSDP_PRESETS",
@@ -58,13 +77,19 @@ __all__ = [
     "AtomoCompressor",
     "BlockQuantizer",
     "BoundCheck",
+    "ChoosersAggregator",
+    "ChunkedTopKCompressor",
+    "CompressedAdam",
     "CompressionMonitor",
     "Compressor",
     "DGCCompressor",
     "Diana",
     "ErrorFeedback",
+    "FP8Compressor",
     "GTopKAggregator",
     "GaussianKCompressor",
+    "GradCompAdamFabricStrategy",
+    "GradCompAdamStrategy",
     "GradCompDiLoCoFabricStrategy",
     "GradCompDiLoCoStrategy",
     "GradCompFabricStrategy",
@@ -74,6 +99,7 @@ __all__ = [
     "GradCompStrategy",
     "GradientHistogram",
     "IdentityCompressor",
+    "Int8Compressor",
     "Memory",
     "NoMemory",
     "OuterSync",
@@ -86,6 +112,7 @@ __all__ = [
     "TernGradCompressor",
     "TopKCompressor",
     "TwoBitValues",
+    "TwoPhaseAggregator",
     "WirePrecision",
     "__version__",
     "gradcomp_comm_hook",

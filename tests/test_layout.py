@@ -2,8 +2,8 @@
 public names and registered strategies stay what users import and name.
 
 The layers, bottom up: ``lightning_gradcomp.core`` (compressors, comm, memory, units, schedules, randomness,
-checkpoint shards, statistics, validation, the flat average); the front ends ``ddp``, ``diloco`` and ``hsdp``; and on
-top ``callbacks``, ``cli``, ``examples`` and the package's ``__init__``.
+checkpoint shards, statistics, validation, the flat and two-phase averages); the front ends ``ddp``, ``diloco``,
+``hsdp`` and ``compressed_adam``; and on top ``callbacks``, ``cli``, ``examples`` and the package's ``__init__``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lightning_gradcomp.ddp.presets import DDP_VARIANTS
 
 PACKAGE = Path(lightning_gradcomp.__file__).parent
 CORE = "core"
-FRONT_ENDS = ("ddp", "diloco", "hsdp")
+FRONT_ENDS = ("ddp", "diloco", "hsdp", "compressed_adam")
 TOP = ("callbacks", "cli", "examples")
 
 
@@ -80,21 +80,24 @@ def test_the_walk_sees_a_wrong_import() -> None:
     assert _imports(Path(__file__)) >= {"lightning_gradcomp.cli.catalog", "lightning_gradcomp.ddp.presets"}
 
 
-#: What users import from the package: unchanged by any reshaping of the modules below it.
+#: What users import from the package: unchanged by any reshaping of the modules below it (a feature adds to it).
 PUBLIC = [
-    "AGGREGATORS", "COMPRESSORS", "DILOCO_PRESETS", "HSDP_PRESETS", "MEMORIES", "NAMED_STRATEGIES",
-    "AllgatherAggregator", "AllreduceAggregator", "AtomoCompressor", "BlockQuantizer", "BoundCheck",
-    "CompressionMonitor", "Compressor", "DGCCompressor", "Diana", "ErrorFeedback", "GTopKAggregator",
-    "GaussianKCompressor", "GradCompDiLoCoFabricStrategy", "GradCompDiLoCoStrategy", "GradCompFabricStrategy",
-    "GradCompHSDPFabricStrategy", "GradCompHSDPStrategy", "GradCompHook", "GradCompStrategy", "GradientHistogram",
-    "IdentityCompressor", "Memory", "NoMemory", "OuterSync", "PowerSGDCompressor", "QSGDCompressor",
-    "RandomKCompressor", "ReplicaExchange", "ScaledSignCompressor", "StepStats", "TernGradCompressor",
-    "TopKCompressor", "TwoBitValues", "WirePrecision", "__version__", "gradcomp_comm_hook", "make_hook",
+    "AGGREGATORS", "COMPRESSED_ADAM_PRESETS", "COMPRESSORS", "DILOCO_PRESETS", "HSDP_PRESETS", "MEMORIES",
+    "NAMED_STRATEGIES", "AllgatherAggregator", "AllreduceAggregator", "AtomoCompressor", "BlockQuantizer",
+    "BoundCheck", "ChoosersAggregator", "ChunkedTopKCompressor", "CompressedAdam", "CompressionMonitor", "Compressor",
+    "DGCCompressor", "Diana", "ErrorFeedback", "FP8Compressor", "GTopKAggregator", "GaussianKCompressor",
+    "GradCompAdamFabricStrategy", "GradCompAdamStrategy", "GradCompDiLoCoFabricStrategy", "GradCompDiLoCoStrategy",
+    "GradCompFabricStrategy", "GradCompHSDPFabricStrategy", "GradCompHSDPStrategy", "GradCompHook",
+    "GradCompStrategy", "GradientHistogram", "IdentityCompressor", "Int8Compressor", "Memory", "NoMemory",
+    "OuterSync", "PowerSGDCompressor", "QSGDCompressor", "RandomKCompressor", "ReplicaExchange",
+    "ScaledSignCompressor", "StepStats", "TernGradCompressor", "TopKCompressor", "TwoBitValues",
+    "TwoPhaseAggregator", "WirePrecision", "__version__", "gradcomp_comm_hook", "make_hook",
 ]  # fmt: skip
 #: The names registered with the Trainer and with Fabric (besides each DDP preset's Lightning variants).
 TRAINER_NAMES = {
     "ddp_gradcomp", "ddp_gradcomp_dense", "ddp_atomo", "ddp_diana", "ddp_efsign", "ddp_fp16", "ddp_bf16",
-    "ddp_gaussiank", "ddp_gtopk", "ddp_powersgd", "ddp_terngrad", "ddp_topk", "ddp_diloco", "ddp_diloco_topk",
+    "ddp_gaussiank", "ddp_gtopk", "ddp_powersgd", "ddp_terngrad", "ddp_topk", "ddp_int8", "ddp_fp8", "ddp_diloco",
+    "ddp_diloco_topk", "ddp_compressed_adam", "ddp_onebit_adam", "ddp_topk_adam", "ddp_qsgd_adam",
     "ddp_diloco_qsgd", "ddp_diloco_sparseloco", "hsdp_gradcomp", "hsdp_topk", "hsdp_dense",
 }  # fmt: skip
 
@@ -116,7 +119,7 @@ def test_gradcomp_strategies_lists_every_registered_name_from_the_registries_tab
     entries = {entry.name: entry for entry in strategy_catalog()}
     assert set(entries) == TRAINER_NAMES
     for name, entry in entries.items():
-        if name not in ("ddp_gradcomp", "hsdp_gradcomp"):
+        if name not in ("ddp_gradcomp", "hsdp_gradcomp", "ddp_compressed_adam"):
             assert entry.description == StrategyRegistry[name]["description"], name
     assert entries["ddp_gradcomp_dense"].bits_per_element == 32.0
     assert entries["ddp_fp16"].bits_per_element == entries["ddp_bf16"].bits_per_element == 16.0

@@ -30,7 +30,8 @@ from lightning_gradcomp.ddp.settings import CompressionSettings
         ({"memory": "residual"}, r"memory must be one of \['diana', 'ef', 'none'\], got 'residual'"),
         (
             {"aggregator": "ring"},
-            r"aggregator must be one of \['allgather', 'allreduce', 'gtopk', 'auto'\], got 'ring'",
+            r"aggregator must be one of \['allgather', 'allgather_choosers', 'allreduce', 'gtopk', 'two_phase', "
+            r"'auto'\], got 'ring'",
         ),
         ({"granularity": "tensor"}, r"granularity must be one of \['layer', 'model', 'group'\], got 'tensor'"),
         ({"unit_cap_mb": 0}, r"unit_cap_mb must be a finite number > 0 \(MiB\), got 0"),
@@ -177,8 +178,8 @@ def test_presets_adapt_the_top_k_family_powersgd_and_atomo_and_keep_the_logits_l
     adaptive = {"ddp_topk", "ddp_gaussiank", "ddp_gtopk", "ddp_powersgd", "ddp_atomo"}
     for name, (_, params) in NAMED_STRATEGIES.items():
         strategy = StrategyRegistry.get(name)
-        # the dense presets (plain, and in half precision) compress no layer
-        assert strategy.keep_last_layer_dense == (params["compressor"] != "none"), name
+        # the dense presets (plain, in half precision, in 8 bits) keep no layer apart
+        assert strategy.keep_last_layer_dense == (params["compressor"] not in ("none", "int8", "fp8")), name
         assert isinstance(strategy.schedule, Accordion) == (name in adaptive), name
         assert strategy.density_warmup is None and strategy.warmup_steps == 1, name
         if params["compressor"] in ("topk", "gaussiank"):  # 1% of the entries, 4% in critical regimes, bf16 values

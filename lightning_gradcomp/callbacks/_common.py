@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_gradcomp.compressed_adam import CompressedAdam, GradCompAdamStrategy
 from lightning_gradcomp.core.stats import StepStats
 from lightning_gradcomp.core.units import is_compressed
 from lightning_gradcomp.ddp.hook import GradCompHook
@@ -92,13 +93,13 @@ def require_recording_strategy(trainer: pl.Trainer, owner: str) -> None:
     exchange), a :class:`~lightning_gradcomp.diloco.GradCompDiLoCoStrategy` (every inner step, bytes at the
     synchronisations) or a :class:`~lightning_gradcomp.hsdp.GradCompHSDPStrategy` (every step's exchange between
     replicas)."""
-    if not isinstance(trainer.strategy, (GradCompDiLoCoStrategy, GradCompHSDPStrategy)):
+    if not isinstance(trainer.strategy, (GradCompDiLoCoStrategy, GradCompHSDPStrategy, GradCompAdamStrategy)):
         require_strategy(trainer, owner)
 
 
-def recorder_of(trainer: pl.Trainer) -> GradCompHook | OuterSync | ReplicaExchange:
+def recorder_of(trainer: pl.Trainer) -> GradCompHook | OuterSync | ReplicaExchange | CompressedAdam:
     """What records the strategy's :class:`StepStats` (``history``, ``last_step``, ``memory``): the hook, DiLoCo's
-    outer loop or HSDP's replica exchange (they exist from ``on_fit_start`` on)."""
+    outer loop, HSDP's replica exchange or compressed Adam (they exist from ``on_fit_start`` on)."""
     strategy = trainer.strategy
     if isinstance(strategy, GradCompDiLoCoStrategy):
         if strategy.outer_sync is None:
@@ -108,6 +109,10 @@ def recorder_of(trainer: pl.Trainer) -> GradCompHook | OuterSync | ReplicaExchan
         if strategy.replica_exchange is None:
             raise RuntimeError("the GradCompHSDPStrategy has no replica exchange yet; is the strategy set up?")
         return strategy.replica_exchange
+    if isinstance(strategy, GradCompAdamStrategy):
+        if strategy.compressed_adam is None:
+            raise RuntimeError("the GradCompAdamStrategy has no compressed Adam yet; is the strategy set up?")
+        return strategy.compressed_adam
     return hook_of(trainer)
 
 

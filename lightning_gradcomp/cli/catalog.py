@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from rich.console import Console
 from rich.table import Table
 
+from lightning_gradcomp.compressed_adam import COMPRESSED_ADAM_PRESETS, GradCompAdamStrategy
 from lightning_gradcomp.core.comm import AGGREGATORS
 from lightning_gradcomp.core.compressors import COMPRESSORS
 from lightning_gradcomp.core.memory import MEMORIES
@@ -49,6 +50,7 @@ FRONT_ENDS = (
     FrontEnd("DDP hook", GradCompStrategy, NAMED_STRATEGIES, GradCompStrategy.strategy_name),
     FrontEnd("DiLoCo", GradCompDiLoCoStrategy, DILOCO_PRESETS, None),
     FrontEnd("HSDP", GradCompHSDPStrategy, HSDP_PRESETS, GradCompHSDPStrategy.strategy_name),
+    FrontEnd("compressed Adam", GradCompAdamStrategy, COMPRESSED_ADAM_PRESETS, GradCompAdamStrategy.strategy_name),
 )
 
 
@@ -71,7 +73,7 @@ def _defaults(strategy: type) -> dict[str, Any]:
 def sent_bits_per_element(strategy: type, arguments: Mapping[str, Any]) -> float:
     """Bits per element ``strategy`` built with ``arguments`` puts on the wire for one exchange of the reference tensor:
     the byte count of its compressor's payload (the compressor an argument-free strategy falls back to: dense)."""
-    given = {**_defaults(strategy), **arguments}
+    given = {"memory": "none", "aggregator": "auto", **_defaults(strategy), **arguments}
     if given.get("compressor") is None:
         given["compressor"] = "none"
     codec, _ = build_pipeline(*(given.get(key) for key in _PIPELINE))

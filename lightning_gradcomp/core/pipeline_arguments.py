@@ -95,6 +95,11 @@ def build_pipeline(
             f"aggregator='allreduce' sums compressed codes across ranks, which {built!r} cannot do "
             "as configured (TernGrad needs share_scale=True); use aggregator='allgather' or 'auto'"
         )
+    if aggregator == "two_phase" and not getattr(built, "block_aligned", False):
+        raise ValueError(
+            f"aggregator='two_phase' cuts each payload at block boundaries for the ranks that own the slices, and "
+            f"{built!r} is not block-aligned; use compressor='int8' or 'fp8'"
+        )
     if aggregator == "allgather_choosers" and not built.selects_entries:
         raise ValueError(
             f"aggregator='allgather_choosers' averages each index over the ranks that chose it, and {built!r} sends no "

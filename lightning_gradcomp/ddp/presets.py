@@ -37,6 +37,11 @@ _SPARSIFIER = {"density": PRESET_SPARSE_DENSITY, "memory": "ef", "granularity": 
 _HALF_WIRE = {"compressor": "none", "memory": "none", "aggregator": "allreduce", "granularity": "group",
               "min_compress_numel": 0}  # fmt: skip
 
+#: The 8-bit dense presets: every parameter in size-capped groups, each averaged in two phases (a reduce-scatter of the
+#: 8-bit slices, sums in float32, an all-gather of the slices quantized again; ZeRO++'s qgZ, torchft's quantized
+#: allreduce).
+_EIGHT_BIT_WIRE = {"memory": "none", "aggregator": "two_phase", "granularity": "group", "min_compress_numel": 0}
+
 #: Named strategies registered with Lightning when ``lightning_gradcomp`` is imported.
 NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_gradcomp_dense": (
@@ -67,6 +72,15 @@ NAMED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Dense gradients sent as bfloat16 (float32's range, 8-bit mantissa), divided by the world size before the "
         "sum, allreduce per parameter group",
         _HALF_WIRE | {"wire_precision": "bf16"},
+    ),
+    "ddp_int8": (
+        "Dense gradients sent as int8 with a float32 scale per block of 256 (8.125 bits per element), averaged in two "
+        "phases: each rank sums the slices it owns in float32 and quantizes them again, then all gather",
+        _EIGHT_BIT_WIRE | {"compressor": "int8"},
+    ),
+    "ddp_fp8": (
+        "Dense gradients sent as fp8 (e4m3) with a float32 scale per block of 256, averaged in two phases as ddp_int8",
+        _EIGHT_BIT_WIRE | {"compressor": "fp8"},
     ),
     "ddp_gaussiank": (
         "Gaussian_k: O(d) threshold selection with error feedback, k/2 to k entries in k fixed slots, allgather; "

@@ -13,8 +13,10 @@ from lightning_gradcomp.core.comm.aggregators import (
 from lightning_gradcomp.core.comm.collectives import Collectives, InFlight
 from lightning_gradcomp.core.comm.counter import CommCounter
 from lightning_gradcomp.core.comm.gtopk import GTopKAggregator
+from lightning_gradcomp.core.comm.two_phase import TwoPhaseAggregator
 
 AGGREGATORS[GTopKAggregator.name] = GTopKAggregator
+AGGREGATORS[TwoPhaseAggregator.name] = TwoPhaseAggregator
 
 __all__ = [
     "AGGREGATORS",
@@ -29,4 +31,5 @@ __all__ = [
     "GTopKAggregator",
     "InFlight",
     "Pending",
+    "TwoPhaseAggregator",
 ]

@@ -154,6 +154,22 @@ class Collectives:
         own[numel:].zero_()
         return self.all_gather_start(own, out).then(trim)
 
+    def all_to_all_bytes(self, outgoing: Sequence[Tensor], incoming: Sequence[int]) -> list[Tensor]:
+        """Send ``outgoing[r]`` (1-D uint8) to rank ``r`` and receive ``incoming[r]`` bytes from each rank ``r``, in one
+        collective: what each rank's part of a two-phase average sends to the rank owning each chunk. Every rank must
+        know the sizes it receives (fixed-size payloads). Returns the bytes from each rank, in rank order."""
+        if len(outgoing) != self.world_size or len(incoming) != self.world_size:
+            raise ValueError(f"all_to_all_bytes needs one part per rank ({self.world_size}), got {len(outgoing)} "
+                             f"to send and {len(incoming)} sizes to receive")  # fmt: skip
+        # gloo needs a byte to move: an empty part travels as one byte of padding, never read back
+        parts = [part.reshape(-1) if part.numel() else part.new_zeros(1) for part in outgoing]
+        send_sizes, receive_sizes = [part.numel() for part in parts], [max(1, size) for size in incoming]
+        sent = torch.cat(parts)
+        received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=sent.device)
+        dist.all_to_all_single(received, sent, receive_sizes, send_sizes, group=self.group)
+        self.counter.record(sent.numel(), received.numel(), 0.0, "uint8")
+        return [part[:size] for part, size in zip(received.split(receive_sizes), incoming, strict=True)]
+
 
 def _trimmed(sizes: list[int], rows: Tensor) -> list[Tensor]:
     """Each rank's row cut to its length."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor, AtomoPayload
 from lightning_gradcomp.core.compressors.base import Compressor, Entries, Payload, all_finite
+from lightning_gradcomp.core.compressors.blockwise import BlockScaledPayload, FP8Compressor, Int8Compressor
 from lightning_gradcomp.core.compressors.chunked import ChunkedPayload, ChunkedTopKCompressor
 from lightning_gradcomp.core.compressors.dgc import DGCCompressor
 from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor
@@ -37,6 +38,8 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         QSGDCompressor,
         AtomoCompressor,
         PowerSGDCompressor,
+        Int8Compressor,
+        FP8Compressor,
     )
 }
 
@@ -64,6 +67,7 @@ __all__ = [
     "AtomoCompressor",
     "AtomoPayload",
     "BlockQuantizer",
+    "BlockScaledPayload",
     "CastPayload",
     "ChunkedPayload",
     "ChunkedTopKCompressor",
@@ -71,8 +75,10 @@ __all__ = [
     "DGCCompressor",
     "DensePayload",
     "Entries",
+    "FP8Compressor",
     "GaussianKCompressor",
     "IdentityCompressor",
+    "Int8Compressor",
     "LevelsPayload",
     "LowRankPayload",
     "Payload",

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -30,6 +31,7 @@ from torch import Tensor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload
 from lightning_gradcomp.core.compressors.ternary import LITTLE_ENDIAN
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.validation import check_choice
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -165,10 +167,18 @@ class ScaledSignCompressor(Compressor):
 
     A contraction (``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / d``) for ``memory="ef"``; biased.
     Computed in float32 and decoded to the gradient's dtype.
+
+    Args:
+        magnitude: the scale: ``"mean"``, the mean magnitude ``||x||_1 / d`` (EF-SignSGD, the contraction above), or
+            ``"rms"``, the root mean square ``||x||_2 / sqrt(d)`` (1-bit Adam, Tang et al., 2021, Algorithm 1, for its
+            momentum; a contraction only where ``||x||_1 > sqrt(d) ||x||_2 / 2``: error feedback keeps the rest).
     """
 
     name = "sign"
     unbiased = False
+
+    def __init__(self, magnitude: Literal["mean", "rms"] = "mean") -> None:
+        self.magnitude = check_choice("magnitude", magnitude, ("mean", "rms"))
 
     @property
     def bias_reason(self) -> str | None:
@@ -176,7 +186,10 @@ class ScaledSignCompressor(Compressor):
 
     def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> SignPayload:
         flat = x.detach().reshape(-1)
-        magnitude = l1_norm(flat) / max(1, flat.numel())
+        if self.magnitude == "rms":
+            magnitude = flat.float().norm() / max(1, flat.numel()) ** 0.5
+        else:
+            magnitude = l1_norm(flat) / max(1, flat.numel())
         return SignPayload(magnitude, pack_signs(flat), x.shape, x.dtype)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SignPayload:
