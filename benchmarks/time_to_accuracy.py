@@ -654,10 +654,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--ranks must be >= 2, --steps and --eval-every >= 1, --seeds distinct")
         if args.model not in MODELS:
             parser.error(f"--model must be one of {list(MODELS)}")
-        intervals = {args.sync_every} | {h for m in args.methods.split(",") if (h := sync_interval(m)[1]) is not None}
+        methods = [m for m in args.methods.split(",") if is_local_sgd(m)]  # compressed Adam's @F is a step
+        intervals = {args.sync_every} | {h for m in methods if (h := sync_interval(m)[1]) is not None}
         if min(intervals) < 1 or any(args.eval_every % h or args.steps % h for h in intervals):
             parser.error(
-                f"--sync-every and every method's @H must be >= 1 and divide --eval-every and --steps (DiLoCo is "
+                f"--sync-every and every DiLoCo method's @H must be >= 1 and divide --eval-every and --steps (it is "
                 f"evaluated after a sync); got {sorted(intervals)}"
             )
         return train(args)
