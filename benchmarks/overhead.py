@@ -20,6 +20,10 @@ first, ``malloc_trim``).
     python benchmarks/overhead.py --model mlp25m --isolate --methods ddp,ddp_topk   # peak memory, a process pair each
     python benchmarks/overhead.py --model mlp25m --interleave --repeats 5   # time ratios, every method in turns
     python benchmarks/overhead.py --device cuda --ranks 1 --model mlp25m --interleave   # a GPU per rank, NCCL
+    python benchmarks/overhead.py --model mlp25m --interleave --methods ddp,ddp_terngrad,ddp_terngrad+eager
+
+A method ``NAME+eager`` is NAME with its codec kernels run eagerly, beside NAME itself, whose kernels run compiled
+(the default; the first steps, untimed, compile them).
 
 With ``--device cuda`` each rank trains on its own GPU over NCCL (``--ranks`` at most the GPUs present; one GPU:
 ``--ranks 1``, where the hook's compression still runs in full and the collectives have no peer), every step is
@@ -55,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from methods import AFTER_WARMUPS, OURS, UNNAMED_METHODS, attach
 from workloads import build_model
 
+from lightning_gradcomp.core.fused import set_codec_mode
 from lightning_gradcomp.examples.models import ResNet20
 
 #: model name -> (builder, input shape, classes, batch size)
@@ -94,20 +99,27 @@ def _device(args: argparse.Namespace, rank: int) -> torch.device:
     return torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
 
 
+#: A method named ``NAME+eager`` runs NAME with the codec kernels eager (``set_codec_mode``), beside NAME compiled.
+EAGER_CODECS = "+eager"
+
+
 def _prepare(method: str, model_name: str, args: argparse.Namespace, rank: int) -> _Trial:
     build, shape, classes, batch = MODELS[model_name]
+    codecs = "eager" if method.endswith(EAGER_CODECS) else "auto"
+    name = method.removesuffix(EAGER_CODECS)
     torch.manual_seed(0)
     device = _device(args, rank)
     model = build().to(device)
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     # PyTorch's hooks as they are (overlapping the backward pass); ours after their warm-ups
-    hook = None if method == "ddp" else attach(method, ddp, model, overrides=AFTER_WARMUPS, serial=False)
+    hook = None if name == "ddp" else attach(name, ddp, model, overrides=AFTER_WARMUPS, serial=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(batch, *shape, generator=gen).to(device)
     y = torch.randint(0, classes, (batch,), generator=gen).to(device)
 
     def step() -> None:
+        set_codec_mode(codecs)  # every trial its own: interleaved trials share the process
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()

@@ -20,6 +20,7 @@ broken behaviour it catches where that is not obvious):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ from typing import Any
 import pytest
 from mnist_fit import fit
 from ranks import EveryRank, LaunchOnce, case_results, run_ranks
+
+# Codec kernels run eagerly in the suite, ranks and subprocesses included: compiling each size met would cost
+# seconds a test. test_fused.py runs them compiled and holds them to the eager oracle.
+os.environ.setdefault("GRADCOMP_CODECS", "eager")
 
 #: The real MNIST test set (10,000 images, IDX) beside the repository.
 MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"

@@ -385,21 +385,27 @@ def test_bytes_counted_on_real_ranks_match_the_expected_atoms(world_size: int) -
 
 # ---------------------------------------------------------------- Lightning end to end
 
-MNIST_STEPS, MNIST_SEED, MNIST_BUDGET = 250, 0, 10
+MNIST_STEPS, MNIST_SEEDS, MNIST_BUDGET = 250, (0, 1, 2), 10
 
 
 def test_atomo_fit_on_mnist_is_within_one_and_a_half_points_of_dense(mnist_fit: Callable[..., dict]) -> None:
-    dense = mnist_fit({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, seed=MNIST_SEED)
-    atomo = mnist_fit(
-        {"compressor": AtomoCompressor(budget=MNIST_BUDGET), "memory": "none", "aggregator": "allgather"},
-        steps=MNIST_STEPS,
-        seed=MNIST_SEED,
-    )
-    print(f"MNIST LeNet-5, {MNIST_STEPS} steps, seed {MNIST_SEED}: dense {dense['val_acc']:.4f}, "
-          f"ATOMO s={MNIST_BUDGET} {atomo['val_acc']:.4f}; bytes/step {atomo['bytes_sent']:.0f} "
-          f"vs dense {atomo['dense_bytes']:.0f}")  # fmt: skip
-    assert atomo["val_acc"] >= dense["val_acc"] - 0.015
-    assert atomo["bytes_sent"] < atomo["dense_bytes"] / 4
+    # One seed's gap to dense spreads by about a point (seeds 0-6: -2.6 to +0.5 points), so the claim is on the mean
+    # of three seeds, whose spread is about 0.6 points.
+    gaps, ratios = [], []
+    for seed in MNIST_SEEDS:
+        dense = mnist_fit({"compressor": "none", "memory": "none"}, steps=MNIST_STEPS, seed=seed)
+        atomo = mnist_fit(
+            {"compressor": AtomoCompressor(budget=MNIST_BUDGET), "memory": "none", "aggregator": "allgather"},
+            steps=MNIST_STEPS,
+            seed=seed,
+        )
+        print(f"MNIST LeNet-5, {MNIST_STEPS} steps, seed {seed}: dense {dense['val_acc']:.4f}, "
+              f"ATOMO s={MNIST_BUDGET} {atomo['val_acc']:.4f}; bytes/step {atomo['bytes_sent']:.0f} "
+              f"vs dense {atomo['dense_bytes']:.0f}")  # fmt: skip
+        gaps.append(atomo["val_acc"] - dense["val_acc"])
+        ratios.append(atomo["bytes_sent"] / atomo["dense_bytes"])
+    assert sum(gaps) / len(gaps) >= -0.015
+    assert max(ratios) < 1 / 4
 
 
 @pytest.mark.parametrize("shape", [(64, 576), (576, 64), (64, 64), (10, 512), (7, 1)])

@@ -99,10 +99,10 @@ def test_same_seed_same_weights_other_seed_other_terngrad_draws(every_rank: Ever
 def test_streams_are_a_pure_function_of_seed_rank_step_and_unit() -> None:
     streams, fresh = UnitStreams(seed=7, rank=1), UnitStreams(seed=7, rank=1)
     cpu = torch.device("cpu")
-    a = torch.rand(1000, generator=streams.generator(cpu, 5, 123))
-    torch.rand(1000, generator=streams.generator(cpu, 5, 999))  # another unit in between changes nothing
-    assert torch.equal(torch.rand(1000, generator=streams.generator(cpu, 5, 123)), a)
-    assert torch.equal(torch.rand(1000, generator=fresh.generator(cpu, 5, 123)), a)  # nor a restart
+    a = streams.generator(cpu, 5, 123).uniform(1000)
+    streams.generator(cpu, 5, 999).uniform(1000)  # another unit in between changes nothing
+    assert torch.equal(streams.generator(cpu, 5, 123).uniform(1000), a)
+    assert torch.equal(fresh.generator(cpu, 5, 123).uniform(1000), a)  # nor a restart
     base = stream_seed(7, 1, 5, 123)
     others = {
         stream_seed(8, 1, 5, 123),

@@ -65,6 +65,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload, all_finite
+from lightning_gradcomp.core.compressors.draws import Draws, uniform
 from lightning_gradcomp.core.compressors.identity import DensePayload
 from lightning_gradcomp.core.compressors.sparse import itemsize
 from lightning_gradcomp.core.compressors.spectral import sketched_decomposition, spectral_decomposition
@@ -296,9 +297,7 @@ class AtomoCompressor(Compressor):
         """Keep-probabilities of the atoms (float64): :func:`atomo_probabilities` with this budget."""
         return atomo_probabilities(singular_values.double(), self.budget)
 
-    def compress(
-        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
-    ) -> AtomoPayload | DensePayload:
+    def compress(self, x: Tensor, generator: Draws = None, scale: Tensor | None = None) -> AtomoPayload | DensePayload:
         matrix = self.matrix_shape(x.shape, x.dtype)
         if matrix is None:
             return DensePayload(x.reshape(-1), x.shape)
@@ -313,7 +312,7 @@ class AtomoCompressor(Compressor):
             return AtomoPayload(ones[0], ones[1], nan, x.shape, x.dtype)
         u, sigma, vh = self.decompose(x)
         p = self.probabilities(sigma)
-        draws = torch.rand(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+        draws = uniform(generator, p.numel(), p.device, p.dtype).view(p.shape)
         kept = torch.nonzero(draws < p).reshape(-1)  # p = 0 (sigma = 0) is never kept, p = 1 always
         coefficients = (sigma[kept].double() / p[kept]).to(atom_dtype)
         return AtomoPayload(u[:, kept].T.contiguous(), vh[kept].contiguous(), coefficients, x.shape, x.dtype)

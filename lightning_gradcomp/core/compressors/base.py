@@ -29,6 +29,7 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.workspace import Scratch
 
 #: Elements a codec handles at a time when it streams over a tensor (packing, decoding, comparing): its
@@ -165,7 +166,7 @@ class Compressor(ABC):
     keeps_largest: ClassVar[bool] = False
 
     @abstractmethod
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> Payload:
+    def compress(self, x: Tensor, generator: Draws = None, scale: Tensor | None = None) -> Payload:
         """Compress ``x`` (a parameter's gradient in its own shape, or a flat vector).
 
         ``generator`` drives any randomness (the unit's own stream at this step, on this rank);

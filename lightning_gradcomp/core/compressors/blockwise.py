@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.validation import check_int
 
@@ -103,7 +104,7 @@ class BlockScaledQuantizer(Compressor):
         padded = torch.nn.functional.pad(flat, (0, blocks * self.block_size - flat.numel()))
         return padded.view(blocks, self.block_size).abs().amax(dim=1).div_(self.code_max)
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, **kwargs: Any) -> BlockScaledPayload:
+    def compress(self, x: Tensor, generator: Draws = None, **kwargs: Any) -> BlockScaledPayload:
         flat = x.reshape(-1)
         scales = self.scales_of(flat)
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).repeat_interleave(self.block_size)

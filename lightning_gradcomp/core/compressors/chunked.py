@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.indices import pack_bits, unpack_bits
 from lightning_gradcomp.core.compressors.sparse import SparseEntries, itemsize
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
@@ -252,7 +253,7 @@ class ChunkedTopKCompressor(Compressor):
     def preferred_aggregator(self, world_size: int) -> str:
         return "allgather"
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, **kwargs: Any) -> ChunkedPayload:
+    def compress(self, x: Tensor, generator: Draws = None, **kwargs: Any) -> ChunkedPayload:
         """The ``per_chunk`` entries of largest magnitude of each chunk of ``x`` (in its own shape)."""
         g = self.geometry(x.shape)
         if g.chunks == 0:

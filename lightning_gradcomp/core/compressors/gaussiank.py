@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import streams
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, k_for
@@ -105,9 +106,7 @@ class GaussianKCompressor(TopKCompressor):
         super().__init__(density)
         self.refinements = check_int("refinements", refinements, 0, 10)
 
-    def compress(
-        self, x: Tensor | Segments, generator: torch.Generator | None = None, scale: Tensor | None = None
-    ) -> SparsePayload:
+    def compress(self, x: Tensor | Segments, generator: Draws = None, scale: Tensor | None = None) -> SparsePayload:
         """The selected entries in ``k`` fixed slots (the count varies, the wire size does not)."""
         flat = x.reshape(-1)
         indices = self.select(flat, generator)
@@ -143,7 +142,7 @@ class GaussianKCompressor(TopKCompressor):
         zero = sumsq == 0.0 and not any(bool(part.count_nonzero()) for part in parts)
         return abs(mu) + z * sigma, zero, abs(mu)
 
-    def select_k(self, flat: Tensor | Segments, k: int, generator: torch.Generator | None = None) -> Tensor:
+    def select_k(self, flat: Tensor | Segments, k: int, generator: Draws = None) -> Tensor:
         """Ascending indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class."""
         thr, zero, centre = self._moments(flat)
         if not math.isfinite(thr):

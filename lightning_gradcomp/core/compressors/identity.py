@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 
 
@@ -47,9 +48,7 @@ class IdentityCompressor(Compressor):
     unbiased = True
     float_wire = True
 
-    def compress(
-        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
-    ) -> DensePayload:
+    def compress(self, x: Tensor, generator: Draws = None, scale: Tensor | None = None) -> DensePayload:
         return DensePayload(x.reshape(-1), x.shape)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> DensePayload:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices, encoded_nbytes, is_ascending
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparseEntries, SparsePayload, k_for
 from lightning_gradcomp.core.compressors.ternary import pack_2bit, packed_nbytes, unpack_2bit
@@ -157,7 +158,7 @@ class TwoBitValues(Compressor):
     def preferred_aggregator(self, world_size: int) -> str:
         return "allgather"
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, **kwargs: Any) -> TwoBitPayload:
+    def compress(self, x: Tensor, generator: Draws = None, **kwargs: Any) -> TwoBitPayload:
         sparse = self.inner.compress(x, generator, **kwargs)
         assert isinstance(sparse, SparsePayload)
         indices, values = sparse.indices.reshape(-1).long(), sparse.values.reshape(-1)

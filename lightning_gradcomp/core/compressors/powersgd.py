@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload, all_finite
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.core.validation import check_int, check_number
 from lightning_gradcomp.core.workspace import Scratch
@@ -206,7 +207,7 @@ class PowerSGDCompressor(Compressor):
     def compress(
         self,
         x: Tensor,
-        generator: torch.Generator | None = None,
+        generator: Draws = None,
         scale: Tensor | None = None,
         warm_start: Tensor | None = None,
         shapes: tuple[torch.Size, ...] | None = None,

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Entries, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.identity import DensePayload
 from lightning_gradcomp.core.workspace import Scratch
 
@@ -188,7 +189,7 @@ class WirePrecision(Compressor):
     ) -> Tensor | None:
         return self.inner.initial_state(shapes, dtype, device, generator)
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, **kwargs: Any) -> CastPayload:
+    def compress(self, x: Tensor, generator: Draws = None, **kwargs: Any) -> CastPayload:
         return CastPayload(self.inner.compress(x, generator, **kwargs), self.wire, not self.inner.gatherable)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> CastPayload:

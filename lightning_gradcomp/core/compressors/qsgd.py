@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.core.compressors.ternary import (
     LITTLE_ENDIAN,
@@ -88,7 +89,9 @@ def pack_levels(codes: Tensor, levels: int, out: Tensor | None = None) -> Tensor
 
 def level_packing(levels: int) -> CodePacking:
     """How :func:`pack_levels` lays out levels of ``s = levels``: two to a byte up to 7, one beyond."""
-    return CodePacking(8 // code_bits(levels), lambda codes, out: pack_levels(codes, levels, out=out))
+    return CodePacking(
+        8 // code_bits(levels), lambda codes, out: pack_levels(codes, levels, out=out), bias=levels, pad=0
+    )
 
 
 def unpack_levels(packed: Tensor, numel: int, levels: int) -> Tensor:
@@ -267,7 +270,7 @@ class QSGDCompressor(BlockQuantizer):
     def compress(
         self,
         x: Tensor,
-        generator: torch.Generator | None = None,
+        generator: Draws = None,
         scale: Tensor | None = None,
         scratch: Scratch | None = None,
     ) -> Payload:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.ternary import (
     TERNARY_PACKING,
     TernaryPayload,
@@ -123,7 +124,7 @@ class BlockQuantizer(Compressor):
     def compress(
         self,
         x: Tensor,
-        generator: torch.Generator | None = None,
+        generator: Draws = None,
         scale: Tensor | None = None,
         scratch: Scratch | None = None,
     ) -> TernaryPayload:

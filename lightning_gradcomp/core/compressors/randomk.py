@@ -20,11 +20,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.core.compressors.draws import Draws, random_integers, random_subset
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
 from lightning_gradcomp.core.validation import check_bool, check_density
 
 
-def sample_indices(d: int, k: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+def sample_indices(d: int, k: int, generator: Draws, device: torch.device) -> Tensor:
     """``k`` distinct indices of ``range(d)``, every ``k``-subset equally likely, in random order.
 
     For ``k <= d / 4``: the first ``k`` distinct values of i.i.d. uniform draws, in order of first
@@ -34,10 +35,10 @@ def sample_indices(d: int, k: int, generator: torch.Generator | None, device: to
     ``k`` of a random permutation.
     """
     if 4 * k > d:
-        return torch.randperm(d, generator=generator, device=device)[:k]
+        return random_subset(generator, d, k, device)
     draws = torch.empty(0, dtype=torch.int64, device=device)
     while True:
-        more = torch.randint(d, (k + k // 2 + 16,), generator=generator, device=device)
+        more = random_integers(generator, d, k + k // 2 + 16, device)
         draws = torch.cat([draws, more])
         values, inverse = torch.unique(draws, return_inverse=True)
         if values.numel() >= k:
@@ -76,9 +77,7 @@ class RandomKCompressor(FixedKSparsifier):
             return 0.0
         return numel / k_for(numel, self.density) - 1.0
 
-    def compress(
-        self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None
-    ) -> SparsePayload:
+    def compress(self, x: Tensor, generator: Draws = None, scale: Tensor | None = None) -> SparsePayload:
         flat = x.reshape(-1)
         d = flat.numel()
         k = k_for(d, self.density)

@@ -29,8 +29,11 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
+from lightning_gradcomp.core.compressors.kernels import encode_signs
 from lightning_gradcomp.core.compressors.ternary import LITTLE_ENDIAN
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -184,8 +187,11 @@ class ScaledSignCompressor(Compressor):
     def bias_reason(self) -> str | None:
         return "a scaled sign keeps only the mean magnitude (a contraction, for error feedback)"
 
-    def compress(self, x: Tensor, generator: torch.Generator | None = None, scale: Tensor | None = None) -> SignPayload:
+    def compress(self, x: Tensor, generator: Draws = None, scale: Tensor | None = None) -> SignPayload:
         flat = x.detach().reshape(-1)
+        if compiles_on(flat.device):  # one fused pass for the norm and the bits
+            magnitude, bits = encode_signs(flat, self.magnitude == "rms")
+            return SignPayload(magnitude, bits, x.shape, x.dtype)
         if self.magnitude == "rms":
             magnitude = flat.float().norm() / max(1, flat.numel()) ** 0.5
         else:

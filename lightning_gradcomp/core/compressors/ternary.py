@@ -26,7 +26,11 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite
 from lightning_gradcomp.core.compressors.blocks import sparse_nonzero
+from lightning_gradcomp.core.compressors.draws import Draws, random_bytes, uniform
+from lightning_gradcomp.core.compressors.kernels import draw_codes, draw_packed_codes
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.fused import compiles_on
+from lightning_gradcomp.core.randomness import CounterStream
 from lightning_gradcomp.core.workspace import Scratch
 
 CODES_PER_BYTE = 4
@@ -152,16 +156,30 @@ class CodePacking:
     """How a compressor's int8 codes become wire bytes, so that they can be drawn straight into them.
 
     ``per_byte`` codes share a byte: code ``j`` is the field of ``8 // per_byte`` bits at bit
-    ``(8 // per_byte) * (j % per_byte)`` of byte ``j // per_byte``, holding ``c`` plus a fixed offset;
-    ``pack(codes, out)`` writes a run of codes that starts at a multiple of ``per_byte`` into its bytes.
+    ``(8 // per_byte) * (j % per_byte)`` of byte ``j // per_byte``, holding ``c`` plus the offset ``bias``; the
+    last byte's unused fields hold ``pad``. ``pack(codes, out)`` writes a run of codes that starts at a multiple of
+    ``per_byte`` into its bytes.
     """
 
     per_byte: int
     pack: Callable[[Tensor, Tensor], Tensor]
+    bias: int
+    pad: int
 
     def nbytes(self, numel: int) -> int:
         """Bytes of ``numel`` packed codes."""
         return -(-numel // self.per_byte)
+
+    def copy_trimmed_(self, out: Tensor, drawn: Tensor, numel: int) -> Tensor:
+        """``out`` (the bytes of ``numel`` codes) set from ``drawn``, bytes of those codes and maybe more (zero codes,
+        :func:`~lightning_gradcomp.core.compressors.kernels.whole_blocks`): the fields past ``numel`` set to ``pad``."""
+        out.copy_(drawn[: out.numel()])
+        used = numel % self.per_byte
+        if used and self.pad != self.bias:  # a zero code's field is the bias; the wire's last fields are the pad
+            bits = 8 // self.per_byte
+            pad_fields = sum(self.pad << (bits * k) for k in range(used, self.per_byte))
+            out[-1:].bitwise_and_((1 << (bits * used)) - 1).bitwise_or_(pad_fields)
+        return out
 
     def step_(self, packed: Tensor, positions: Tensor, steps: Tensor) -> Tensor:
         """Add the small int8 ``steps`` to the codes at ``positions`` (int64), in their bytes, in place.
@@ -175,7 +193,7 @@ class CodePacking:
 
 
 #: Ternary codes at 2 bits each (:func:`pack_2bit`).
-TERNARY_PACKING = CodePacking(CODES_PER_BYTE, lambda codes, out: pack_2bit(codes, out=out))
+TERNARY_PACKING = CodePacking(CODES_PER_BYTE, lambda codes, out: pack_2bit(codes, out=out), bias=1, pad=1)
 
 
 def own_wire(
@@ -271,7 +289,7 @@ def stochastic_ternary(
     g: Tensor,
     scales: Tensor,
     block_size: int,
-    generator: torch.Generator | None = None,
+    generator: Draws = None,
     cap: Tensor | None = None,
     packed: Tensor | None = None,
 ) -> Tensor:
@@ -289,8 +307,11 @@ def stochastic_ternary(
     every element (random bytes cost a tenth of ``torch.rand`` on a CPU). The second-stage
     uniform resolves the probability to ``2^-32``, finer than one fp32 uniform.
 
-    Draw order (what a reference needs to reproduce the codes): every byte first, ``ceil(d / 8)``
-    uniform int64 words read as bytes; then one ``torch.rand`` of the tied elements in index order.
+    Draw order (what a reference needs to reproduce the codes), from a ``torch.Generator``: every byte first
+    (``ceil(d / 8)`` uniform int64 words read as bytes), then one uniform for each tied element, in index order. From
+    a counter stream (the hook's) the same two-stage test reads one 32-bit draw per element, ``B`` its top byte and
+    ``V`` the rest (:func:`~lightning_gradcomp.core.compressors.kernels.stochastic_codes`): no second pass for the
+    ties, and one fused kernel where kernels are compiled.
     The work runs in chunks of about :data:`ENCODE_CHUNK` elements through small scratch tensors; the
     words are drawn chunk by chunk (whole words per chunk), which is the same stream as one draw of all.
     With ``packed`` (:func:`packed_nbytes` bytes) the codes are packed into it as they are drawn
@@ -305,7 +326,7 @@ def stochastic_levels(
     g: Tensor,
     multipliers: Tensor,
     block_size: int,
-    generator: torch.Generator | None = None,
+    generator: Draws = None,
     packing: CodePacking | None = None,
     packed: Tensor | None = None,
     levels: float | None = None,
@@ -328,7 +349,7 @@ def _stochastic_codes(
     g: Tensor,
     multipliers: Tensor,
     block_size: int,
-    generator: torch.Generator | None,
+    generator: Draws,
     cap: Tensor | None,
     fractional: bool = False,
     packing: CodePacking | None = None,
@@ -337,6 +358,8 @@ def _stochastic_codes(
     """The chunked two-stage draw behind :func:`stochastic_ternary` (``q = min(|g|, cap) m``) and
     :func:`stochastic_levels` (``fractional``: ``u = min(|g| m, cap)``, ``q = 256 frac(u)``, codes from
     ``floor(u)`` up): int8 codes of ``g``'s size, or with ``packed`` each chunk's codes packed into it."""
+    if isinstance(generator, CounterStream):
+        return _counter_codes(g, multipliers, block_size, generator, cap, fractional, packing, packed)
     numel = g.numel()
     # whole blocks per chunk when there are several, and whole random words (so whole packed bytes)
     step = 8 if block_size >= numel else math.lcm(block_size, 8)
@@ -347,7 +370,6 @@ def _stochastic_codes(
     else:
         assert packing is not None and packed.numel() == packing.nbytes(numel)
         codes = torch.empty(size, dtype=torch.int8, device=g.device)  # one chunk's, packed before the next
-    words = torch.empty(-(-size // 8), dtype=torch.int64, device=g.device)
     level = torch.empty(size, dtype=torch.float32, device=g.device)
     # u and its floor in the gradient's precision (fp64 stays fp64), the fraction then rounded to fp32
     wide = torch.empty(size if fractional else 0, dtype=g.dtype, device=g.device)
@@ -363,7 +385,7 @@ def _stochastic_codes(
         stop = min(start + chunk, numel)
         n = stop - start
         q, n16, n8, kept, tie = level[:n], floors16[:n], floors[:n], keep[:n], tied[:n]
-        draws = words[: -(-n // 8)].random_(-(2**63), None, generator=generator).view(torch.uint8)[:n]
+        draws = random_bytes(generator, n, g.device)
         blocks = multipliers[start // block_size : -(-stop // block_size)]
         if fractional:  # the level below u, and the fraction above it as a probability out of 256 (exact)
             u = scale_blocks_(torch.abs(g[start:stop], out=wide[:n]), blocks, block_size)
@@ -397,7 +419,7 @@ def _stochastic_codes(
             packing.pack(out, packed[start // packing.per_byte : packing.nbytes(stop)])
     if tie_indices:  # a tie steps one level away from zero where its second uniform wins
         ties = torch.cat(tie_indices)
-        second = torch.rand(ties.numel(), generator=generator, device=g.device, dtype=torch.float32)
+        second = uniform(generator, ties.numel(), g.device)
         won = (second < torch.cat(tie_fractions)).to(torch.int8)
         steps = torch.sign(g.index_select(0, ties)).to(torch.int8) * won
         if packed is None:
@@ -405,6 +427,48 @@ def _stochastic_codes(
         else:
             assert packing is not None
             packing.step_(packed, ties, steps)
+    return codes if packed is None else packed
+
+
+def _counter_codes(
+    g: Tensor,
+    multipliers: Tensor,
+    block_size: int,
+    stream: CounterStream,
+    cap: Tensor | None,
+    fractional: bool,
+    packing: CodePacking | None,
+    packed: Tensor | None,
+) -> Tensor:
+    """:func:`_stochastic_codes` from a counter stream: one 32-bit draw per element
+    (:func:`~lightning_gradcomp.core.compressors.kernels.stochastic_codes`), packed as drawn. One fused kernel over the
+    whole tensor where kernels run compiled; else the same function eagerly, :data:`ENCODE_CHUNK` elements at a time
+    (whole packed bytes each), which draws the same codes: an element's bits hash its own counter."""
+    numel = g.numel()
+    block = stream.block(numel)
+    if packed is not None:
+        assert packing is not None and packed.numel() == packing.nbytes(numel)
+        layout = (packing.bias, packing.per_byte, packing.pad)
+    if compiles_on(g.device):
+        if packed is None:
+            return draw_codes(g, multipliers, block, cap, 0, block_size, fractional)[:numel]
+        assert packing is not None
+        drawn = draw_packed_codes(g, multipliers, block, cap, 0, block_size, fractional, *layout)
+        return packing.copy_trimmed_(packed, drawn, numel)
+    codes = torch.empty(numel if packed is None else 0, dtype=torch.int8, device=g.device)
+    unit = 8 if multipliers.numel() == 1 else math.lcm(block_size, 8)  # whole bytes, and whole blocks if several
+    chunk = max(1, ENCODE_CHUNK // unit) * unit
+    for start in range(0, numel, chunk):
+        stop = min(start + chunk, numel)
+        piece = block.clone()
+        piece[2] += start
+        arguments = (g[start:stop], multipliers, piece, cap, start, block_size, fractional)
+        if packed is None:
+            codes[start:stop] = draw_codes.eager(*arguments)[: stop - start]
+        else:
+            assert packing is not None
+            drawn = draw_packed_codes.eager(*arguments, *layout)
+            packing.copy_trimmed_(packed[start // packing.per_byte : packing.nbytes(stop)], drawn, stop - start)
     return codes if packed is None else packed
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.ternary import (
     ENCODE_CHUNK,
     TERNARY_PACKING,
@@ -121,7 +122,7 @@ class TernGradCompressor(Compressor):
     def compress(
         self,
         x: Tensor,
-        generator: torch.Generator | None = None,
+        generator: Draws = None,
         scale: Tensor | None = None,
         local_scale: Tensor | None = None,
         scratch: Scratch | None = None,

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import all_finite
+from lightning_gradcomp.core.compressors.draws import Draws, random_integers
 from lightning_gradcomp.core.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
 from lightning_gradcomp.core.validation import check_density
@@ -86,7 +87,7 @@ class TopKCompressor(FixedKSparsifier):
         wanted = math.ceil(self.sample_ratio * numel)
         return max(self.min_samples, wanted if self.max_samples is None else min(wanted, self.max_samples))
 
-    def sample_threshold(self, flat: Tensor | Segments, generator: torch.Generator | None = None) -> float | None:
+    def sample_threshold(self, flat: Tensor | Segments, generator: Draws = None) -> float | None:
         """The candidate threshold from a random sample of ``|flat|``; ``None`` if the sample would be the whole tensor.
 
         ``generator`` (on ``flat``'s device) draws the sample; ``None`` uses torch's global generator.
@@ -98,7 +99,7 @@ class TopKCompressor(FixedKSparsifier):
         k = k_for(d, self.density)
         expected = s * k / d
         rank = min(s, max(1, math.ceil(expected + self.margin * math.sqrt(expected))))
-        positions = torch.randint(0, d, (s,), generator=generator, device=flat.device)
+        positions = random_integers(generator, d, s, flat.device)
         sample = take(flat, positions).abs()
         return float(torch.topk(sample, rank, sorted=False).values.min())
 
@@ -106,7 +107,7 @@ class TopKCompressor(FixedKSparsifier):
         """Indices of the ``k`` largest ``|flat|`` by ``torch.topk`` (unordered)."""
         return largest(flat, k_for(flat.numel(), self.density))
 
-    def select(self, x: Tensor | Segments, generator: torch.Generator | None = None) -> Tensor:
+    def select(self, x: Tensor | Segments, generator: Draws = None) -> Tensor:
         """Indices of the entries kept (unordered): all of them when ``k >= d``, else :meth:`select_k`'s."""
         flat = x.reshape(-1)
         k = k_for(flat.numel(), self.density)
@@ -114,7 +115,7 @@ class TopKCompressor(FixedKSparsifier):
             return torch.arange(flat.numel(), device=flat.device)
         return self.select_k(flat, k, generator)
 
-    def select_k(self, flat: Tensor | Segments, k: int, generator: torch.Generator | None = None) -> Tensor:
+    def select_k(self, flat: Tensor | Segments, k: int, generator: Draws = None) -> Tensor:
         """Indices of exactly ``k < d`` entries of largest ``|flat|``; see the class for the method."""
         if generator is None:
             return self.exact_select(flat)
@@ -126,9 +127,7 @@ class TopKCompressor(FixedKSparsifier):
             return self.exact_select(flat)
         return candidates[ascending_top_k(take(flat, candidates, ascending=True).abs(), k)]
 
-    def compress(
-        self, x: Tensor | Segments, generator: torch.Generator | None = None, scale: Tensor | None = None
-    ) -> SparsePayload:
+    def compress(self, x: Tensor | Segments, generator: Draws = None, scale: Tensor | None = None) -> SparsePayload:
         """The ``k`` entries; ``x`` may be :class:`~lightning_gradcomp.core.compressors.segments.Segments` (a unit read
         in DDP's bucket), which select exactly the entries its concatenation would."""
         flat = x.reshape(-1)

@@ -1,0 +1,141 @@
+"""Each codec's encode and decode time per bucket on one device, and ``torch.topk(sorted=False)`` at the same sizes.
+
+A bucket of ``n`` fp32 elements (a normal gradient) is encoded as the hook does it: error feedback's compensation
+where the method keeps a residual, the compressor's payload, the residual's update; decoding is the payload back to
+a dense tensor. Times are CUDA-event medians of ``--repeats`` after a warm-up call that compiles the kernels (its
+time is reported as the cold call), with the codec kernels compiled (``GRADCOMP_CODECS=auto``) and, side by side,
+eager; ``--modes generator`` adds the eager codecs drawing from a ``torch.Generator`` (the library's streams before
+the counter hash). Reading a bucket once is the floor: ``4 n`` bytes at the device's memory bandwidth.
+
+    PYTHONPATH=. python benchmarks/gpu/codecs.py --out results/ [--sizes 1e6 1e7 1e8 1e9] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lightning_gradcomp.core.comm.aggregators import local_part
+from lightning_gradcomp.core.compressors import (
+    GaussianKCompressor,
+    IdentityCompressor,
+    QSGDCompressor,
+    ScaledSignCompressor,
+    TernGradCompressor,
+    TopKCompressor,
+    WirePrecision,
+)
+from lightning_gradcomp.core.fused import set_codec_mode
+from lightning_gradcomp.core.memory import ErrorFeedback, NoMemory
+from lightning_gradcomp.core.randomness import CounterStream
+
+#: ``name -> (compressor, memory)``: the codecs the targets name (Top-k and Gaussian_k at 1%, 4-bit QSGD).
+CODECS: dict[str, Callable[[], tuple[object, object]]] = {
+    "topk_ef_1pct": lambda: (TopKCompressor(density=0.01), ErrorFeedback()),
+    "gaussiank_ef_1pct": lambda: (GaussianKCompressor(density=0.01), ErrorFeedback()),
+    "efsign": lambda: (ScaledSignCompressor(), ErrorFeedback()),
+    "terngrad": lambda: (TernGradCompressor(), NoMemory()),
+    "qsgd_4bit": lambda: (QSGDCompressor(levels=7), NoMemory()),
+    "bf16_cast": lambda: (WirePrecision(IdentityCompressor(), "bf16"), NoMemory()),
+}
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
+    """``(cold, median)`` milliseconds of ``fn``: its first call (compiles), then the median of ``repeats``."""
+
+    def once() -> float:
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop)
+        began = time.perf_counter()
+        fn()
+        return (time.perf_counter() - began) * 1e3
+
+    cold = once()
+    return cold, statistics.median(once() for _ in range(repeats))
+
+
+def measure(name: str, n: int, device: torch.device, repeats: int, generator: bool = False) -> dict:
+    compressor, memory = CODECS[name]()
+    grad = torch.randn(n, device=device)
+    work = torch.empty_like(grad)
+    steps = iter(range(10**9))
+    payloads: list[object] = []
+
+    def encode() -> None:
+        compensated = memory.compensate_("unit", work.copy_(grad))
+        step = next(steps)
+        draws = torch.Generator(device).manual_seed(step) if generator else CounterStream(step, device)
+        payload = compressor.compress(compensated, draws)
+        memory.settle_("unit", compensated, local_part(compressor, payload), n)
+        payloads[:] = [payload]
+
+    cold, encode_ms = timed(encode, device, repeats)
+    _, decode_ms = timed(lambda: compressor.decompress(payloads[0]), device, repeats)
+    return {"codec": name, "numel": n, "encode_ms": encode_ms, "decode_ms": decode_ms, "encode_cold_ms": cold}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8, 1e9])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
+    parser.add_argument("--modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager", "generator"])
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or any(s < 1 for s in args.sizes):
+        parser.error(f"--repeats and --sizes must be >= 1, got {args.repeats} and {args.sizes}")
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    rows: list[dict] = []
+    result = {"device": name, "torch": torch.__version__, "repeats": args.repeats, "rows": rows}
+    path = args.out / "codecs.json"
+    for size in args.sizes:
+        n = int(size)
+        x = torch.randn(n, device=device)
+        _, ms = timed(lambda x=x, n=n: torch.topk(x.abs(), max(1, n // 100), sorted=False), device, args.repeats)
+        rows.append({"codec": "torch.topk_1pct_unsorted", "mode": "eager", "numel": n, "encode_ms": ms})
+        _, ms = timed(lambda x=x: x.sum(), device, args.repeats)
+        rows.append({"codec": "read_once(sum)", "mode": "eager", "numel": n, "encode_ms": ms})
+        del x
+        for mode in args.modes:
+            set_codec_mode("auto" if mode == "compiled" else "eager")
+            for codec in args.codecs:
+                try:
+                    rows.append({**measure(codec, n, device, args.repeats, mode == "generator"), "mode": mode})
+                except torch.OutOfMemoryError as error:
+                    rows.append({"codec": codec, "mode": mode, "numel": n, "error": str(error).splitlines()[0]})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                path.write_text(json.dumps(result, indent=1))  # what finished survives a timeout
+                print(json.dumps(rows[-1]), flush=True)
+    lines = [
+        f"# Codec times on {name} (torch {torch.__version__}), medians of {args.repeats}",
+        "",
+        "| codec | mode | elements | encode ms | decode ms | cold encode ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = [f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, row.get("error", "")))
+                 for k in ("encode_ms", "decode_ms", "encode_cold_ms")]  # fmt: skip
+        lines.append(f"| {row['codec']} | {row['mode']} | {row['numel']:,} | " + " | ".join(cells) + " |")
+    (args.out / "codecs.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

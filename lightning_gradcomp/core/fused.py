@@ -1,0 +1,131 @@
+"""Codec kernels fused by torch's compiler, or run eagerly: one setting chooses, eager is the fallback and the oracle.
+
+A codec's per-element math (a sign packed 8 to a byte, a stochastic level drawn from a counter hash and packed) is a
+pure function over flat tensors. Run eagerly, each of its operations is a pass over memory with a temporary of the
+input's size; ``torch.compile`` (inductor: C++/OpenMP loops on the CPU, Triton kernels on CUDA) fuses the chain into
+one or two passes with no temporaries. :func:`fused` wraps such a function: called, it runs compiled or eager as
+:func:`codec_mode` says, with static shapes (one specialisation per tensor size; DDP has few).
+
+Where the compiler cannot run (no C++ compiler, no Triton), the first call warns once and the kernels run eagerly
+from then on; the result is the same function's. The eager function is the oracle the tests hold the compiled one
+to: integer outputs (codes, packed bytes, selections) equal, floats within the rounding of a reordered sum.
+
+The setting: :func:`set_codec_mode` or the environment variable ``GRADCOMP_CODECS``, one of
+
+- ``"auto"`` (the default): compiled, on the CPU and CUDA alike; where the compiler cannot run, eager after one
+  warning;
+- ``"compiled"``: compiled, and a compiler's failure is raised (to find out why it fails);
+- ``"eager"``: never compiled (no compile time: the first compiled call of each size takes seconds, cached on disk
+  for later runs).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.core.validation import check_choice
+
+__all__ = ["CODEC_MODES", "FusedKernel", "codec_mode", "compiles_on", "fused", "set_codec_mode"]
+
+CodecMode = Literal["auto", "compiled", "eager"]
+CODEC_MODES: tuple[str, ...] = ("auto", "compiled", "eager")
+#: Specialisations a kernel may hold (one per tensor size it meets): torch's limit per function, 8 by default, is
+#: raised to this at the first compiled call, as a model's units come in more sizes than 8.
+RECOMPILE_LIMIT = 64
+
+_mode: str | None = None
+#: Why compiling failed, by device type (``None`` until it did): from then on that device runs eagerly.
+_broken: dict[str, str] = {}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def set_codec_mode(mode: CodecMode) -> None:
+    """Choose how codec kernels run from now on: ``"auto"``, ``"compiled"`` or ``"eager"`` (see the module)."""
+    global _mode
+    _mode = check_choice("mode", mode, CODEC_MODES)
+
+
+def codec_mode() -> str:
+    """The mode in force: :func:`set_codec_mode`'s, else ``GRADCOMP_CODECS``, else ``"auto"``."""
+    if _mode is not None:
+        return _mode
+    return check_choice("GRADCOMP_CODECS", os.environ.get("GRADCOMP_CODECS", "auto"), CODEC_MODES)
+
+
+def compiles_on(device: torch.device) -> bool:
+    """Whether kernels on ``device`` run compiled: as the mode says, unless compiling failed there before."""
+    return codec_mode() != "eager" and device.type not in _broken
+
+
+class FusedKernel:
+    """A pure tensor function and its compiled form; calls go to one or the other (:func:`compiles_on` of the first
+    tensor argument's device). ``calls`` counts the calls that ran compiled (tests read it)."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.__name__ = function.__name__
+        self.__doc__ = function.__doc__
+        self._compiled: Callable[..., Any] | None = None
+        self.compiled_calls = 0
+
+    def eager(self, *args: Any) -> Any:
+        """The function itself, uncompiled (the oracle)."""
+        return self.function(*args)
+
+    def compiled(self, *args: Any) -> Any:
+        """The compiled function, whatever the mode (raises what the compiler raises)."""
+        if self._compiled is None:
+            # a limit per process (raised, never lowered; patching it around each call costs more than a kernel)
+            config = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+            setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
+            self._compiled = torch.compile(self.function, dynamic=False, fullgraph=True)
+        result = self._compiled(*args)
+        self.compiled_calls += 1
+        return result
+
+    def __call__(self, *args: Any) -> Any:
+        device = next(a.device for a in args if isinstance(a, Tensor))
+        if not compiles_on(device):
+            return self.function(*args)
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # a compiler's failure falls back; anything else is raised
+            if codec_mode() == "compiled" or not _is_compiler_failure(error):
+                raise
+            _broken[device.type] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            warnings.warn(
+                f"lightning_gradcomp: torch.compile cannot build codec kernels on {device.type} "
+                f"({_broken[device.type]}); they run eagerly (same results, more passes over memory). "
+                "Set GRADCOMP_CODECS=eager to skip the attempt.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return self.function(*args)
+
+
+def _is_compiler_failure(error: BaseException) -> bool:
+    """Whether ``error`` says the compiler (not the function) failed: no C++ compiler, no Triton, a backend crash."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (BackendCompilerFailed, InvalidCxxCompiler, ImportError, OSError)):
+            return True
+        if type(seen).__name__ in {"TritonMissing", "GPUTooOldForTriton"}:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def fused(function: F) -> F:
+    """Mark ``function`` (pure, tensors in and out, no Python-side effects) as a codec kernel: :class:`FusedKernel`."""
+    return FusedKernel(function)  # type: ignore[return-value]

@@ -1,0 +1,193 @@
+"""Codec kernels compiled by torch's compiler are their eager oracle's: the same codes and packed bytes exactly, floats
+within the rounding of another summation order; no recompiles after the first call of a size; compiled from a DDP
+comm hook on a training thread; and where no compiler runs, one warning and the eager result.
+
+The suite runs kernels eagerly (``conftest.py``); these tests switch the mode. Sizes are few and fixed, so each
+kernel compiles once per session (seconds each, cached on disk for later runs).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_gradcomp.core.fused as fused_module
+from lightning_gradcomp import gradcomp_comm_hook, make_hook
+from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, TernGradCompressor
+from lightning_gradcomp.core.compressors.kernels import draw_packed_codes, encode_signs
+from lightning_gradcomp.core.compressors.ternary import ENCODE_CHUNK
+from lightning_gradcomp.core.fused import FusedKernel, codec_mode, set_codec_mode
+from lightning_gradcomp.core.randomness import CounterStream
+
+#: Two eager chunks, the second partial: the eager path draws piecewise, the compiled one in one kernel.
+NUMEL = ENCODE_CHUNK + 4_321
+EPS32 = torch.finfo(torch.float32).eps / 2  # fp32's unit roundoff
+
+
+@pytest.fixture
+def mode() -> object:
+    """Restores the suite's codec mode after a test that switches it."""
+    yield set_codec_mode
+    fused_module._mode = None
+
+
+def _gradient(seed: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * 1e-3
+
+
+def _compress_both(compressor: object, x: torch.Tensor, key: int, mode: object) -> tuple[object, object]:
+    mode("compiled")
+    compiled = compressor.compress(x, CounterStream(key))
+    mode("eager")
+    return compiled, compressor.compress(x, CounterStream(key))
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [TernGradCompressor(), QSGDCompressor(levels=7), QSGDCompressor(levels=7, block_size=7)],
+    ids=["terngrad", "qsgd-4bit", "qsgd-blocks-of-7"],  # blocks of 7: no eager chunk of 2^18 holds whole blocks
+)
+def test_compiled_stochastic_codes_are_the_eager_chunked_draws_byte_for_byte(compressor: object, mode: object) -> None:
+    for key in (1, 2):
+        compiled, eager = _compress_both(compressor, _gradient(key), key, mode)
+        assert torch.equal(compiled.to_bytes(), eager.to_bytes())
+    assert draw_packed_codes.compiled_calls >= 2
+
+
+def test_compiled_signs_are_the_eager_bits_and_the_magnitude_within_summation_rounding(mode: object) -> None:
+    for magnitude in ("mean", "rms"):
+        x = _gradient(3)
+        compiled, eager = _compress_both(ScaledSignCompressor(magnitude), x, 0, mode)
+        assert torch.equal(compiled.bits, eager.bits)
+        # a sum of d terms of one sign, in any order, is within (d - 1) u of the exact sum S, so the two sums are
+        # within 2 (d - 1) u S; the magnitude S / d (or sqrt(S / d), half the relative error) adds a few roundings
+        scale = float(eager.scale)
+        relative = 2 * (NUMEL - 1) * EPS32 * (1.0 if magnitude == "mean" else 0.5)
+        assert abs(float(compiled.scale) - scale) <= (relative + 4 * EPS32) * scale
+
+
+def test_new_keys_and_new_values_reuse_the_compiled_kernels(mode: object) -> None:
+    mode("compiled")
+    compressor = TernGradCompressor()
+    compressor.compress(_gradient(0), CounterStream(5))
+    graphs, calls = counters["stats"]["unique_graphs"], draw_packed_codes.compiled_calls
+    for step in range(6):
+        compressor.compress(_gradient(10 + step), CounterStream(1000 + step))
+    assert counters["stats"]["unique_graphs"] == graphs  # a stream's key travels as a tensor: no specialisation
+    assert draw_packed_codes.compiled_calls == calls + 6
+
+
+def test_without_a_compiler_kernels_warn_once_and_run_eagerly(mode: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_module, "_broken", {})
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    mode("auto")
+    kernel = FusedKernel(lambda x: (x * 3).sum(0))  # a fresh function: nothing of it is cached
+    x = torch.arange(12.0).reshape(4, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = kernel(x), kernel(x)
+    ours = [w for w in caught if "cannot build codec kernels" in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    assert "InvalidCxxCompiler" in str(ours[0].message)
+    assert torch.equal(first, x.sum(0) * 3) and torch.equal(second, first)
+    assert kernel.compiled_calls == 0
+    mode("compiled")  # the setting that wants to know: the failure is raised
+    monkeypatch.setattr(fused_module, "_broken", {})
+    with pytest.raises(Exception, match="InvalidCxxCompiler"):
+        FusedKernel(lambda x: (x * 5).sum(0))(x)
+
+
+def test_the_mode_is_validated_where_it_enters(monkeypatch: pytest.MonkeyPatch, mode: object) -> None:
+    with pytest.raises(ValueError, match=r"mode must be one of .*'auto'.*got 'fast'"):
+        set_codec_mode("fast")  # type: ignore[arg-type]
+    monkeypatch.setenv("GRADCOMP_CODECS", "jit")
+    with pytest.raises(ValueError, match=r"GRADCOMP_CODECS must be one of .*got 'jit'"):
+        codec_mode()
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 1024)
+        self.head = nn.Linear(1024, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def _train(group: dist.ProcessGroup, codecs: str) -> dict:
+    """Four TernGrad steps of a 1-process DDP whose backward runs on a thread of its own."""
+    set_codec_mode(codecs)
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DistributedDataParallel(model, process_group=group)
+    ddp.register_comm_hook(make_hook(ddp, "ddp_terngrad", warmup_steps=0, min_compress_numel=100), gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
+    callers, calls = [], draw_packed_codes.compiled_calls
+    compiled = draw_packed_codes.compiled
+
+    def recording(*args: object) -> object:  # which thread calls the compiled kernel
+        callers.append(threading.current_thread().name)
+        return compiled(*args)
+
+    draw_packed_codes.compiled = recording
+    for step in range(4):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        worker = threading.Thread(target=loss.backward, name=f"backward-{step}")
+        worker.start()
+        worker.join()
+        optimizer.step()
+    del draw_packed_codes.compiled
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "compiled_calls": draw_packed_codes.compiled_calls - calls,
+        "callers": sorted(set(callers)),
+    }
+
+
+def _compiled_and_eager(rank: int, world_size: int) -> dict:
+    group = dist.new_group(backend="gloo")
+    return {"compiled": _train(group, "compiled"), "eager": _train(group, "eager")}
+
+
+def test_a_comm_hook_on_a_backward_thread_runs_the_compiled_kernels_and_trains_as_eager() -> None:
+    (result,) = run_ranks(_compiled_and_eager, 1, timeout=600)
+    compiled, eager = result["compiled"], result["eager"]
+    assert compiled["compiled_calls"] >= 4 and eager["compiled_calls"] == 0  # every step's unit, compiled
+    assert compiled["callers"] == [f"backward-{step}" for step in range(4)]
+    for a, b in zip(compiled["weights"], eager["weights"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_on_cuda_are_the_cpus_and_never_wait_for_the_host(mode: object) -> None:
+    mode("compiled")
+    x = _gradient(4)
+    multipliers, cuda = torch.tensor([900.0]), torch.device("cuda")
+    stream_cpu, stream_gpu = CounterStream(9), CounterStream(9, cuda)
+    arguments = (None, 0, NUMEL, False, 1, 4, 1)
+    expected = draw_packed_codes.eager(x, multipliers, stream_cpu.block(NUMEL), *arguments)
+    gx, gm = x.to(cuda), multipliers.to(cuda)
+    draw_packed_codes(gx, gm, stream_gpu.block(NUMEL), *arguments)  # compile first: compiling may synchronise
+    encode_signs(gx, False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = draw_packed_codes(gx, gm, CounterStream(9, cuda).block(NUMEL), *arguments)
+        _, bits = encode_signs(gx, False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(packed.cpu(), expected)
+    assert torch.equal(bits.cpu(), encode_signs.eager(x, False)[1])
