@@ -8,6 +8,8 @@ eager; ``--modes generator`` adds the eager codecs drawing from a ``torch.Genera
 the counter hash). Reading a bucket once is the floor: ``4 n`` bytes at the device's memory bandwidth.
 
     PYTHONPATH=. python benchmarks/gpu/codecs.py --out results/ [--sizes 1e6 1e7 1e8 1e9] [--device cuda]
+
+writes ``codecs_<device type>.json`` and ``.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     rows: list[dict] = []
     result = {"device": name, "torch": torch.__version__, "repeats": args.repeats, "rows": rows}
-    path = args.out / "codecs.json"
+    path = args.out / f"codecs_{device.type}.json"
     for size in args.sizes:
         n = int(size)
         x = torch.randn(n, device=device)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, row.get("error", "")))
                  for k in ("encode_ms", "decode_ms", "encode_cold_ms")]  # fmt: skip
         lines.append(f"| {row['codec']} | {row['mode']} | {row['numel']:,} | " + " | ".join(cells) + " |")
-    (args.out / "codecs.md").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

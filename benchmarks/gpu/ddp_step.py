@@ -110,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    (args.out / "ddp_step.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}))
+    result = {"device": name, "torch": torch.__version__, "rows": rows}
+    (args.out / f"ddp_step_{device.type}.json").write_text(json.dumps(result))
     lines = [f"# One-process DDP step on {name}, 25.2M-parameter MLP, batch 64 (median of {args.steps})", "",
              "| strategy | step ms | ratio to plain DDP |", "|---|---|---|"]  # fmt: skip
     lines += [f"| {r['preset']} | {r['step_ms']:.2f} | {r['ratio']:.2f} |" for r in rows]
-    (args.out / "ddp_step.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"ddp_step_{device.type}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

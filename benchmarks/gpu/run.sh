@@ -17,4 +17,4 @@ echo "codecs: exit $?" | tee -a "$out/summary.txt"
 timeout 100 python benchmarks/gpu/ddp_step.py --out "$out" > "$out/ddp_step.log" 2>&1
 echo "ddp step: exit $?" | tee -a "$out/summary.txt"
 tail -n 3 "$out/cuda_tests.txt"
-cat "$out"/codecs.md "$out"/ddp_step.md 2>/dev/null
+cat "$out"/codecs_cuda.md "$out"/ddp_step_cuda.md 2>/dev/null
