@@ -66,7 +66,7 @@ def compiles_on(device: torch.device) -> bool:
 
 class FusedKernel:
     """A pure tensor function and its compiled form; calls go to one or the other (:func:`compiles_on` of the first
-    tensor argument's device). ``calls`` counts the calls that ran compiled (tests read it)."""
+    tensor argument's device). ``compiled_calls`` counts the calls that ran compiled (tests read it)."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
