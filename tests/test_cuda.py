@@ -15,9 +15,12 @@ from lightning_gradcomp.core.comm.gtopk import SparseSet, merge
 from lightning_gradcomp.core.compressors import qsgd, ternary
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.core.compressors.blocks import streamed_above
+from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices
 from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k
+from lightning_gradcomp.core.host_waits import host_waits
+from lightning_gradcomp.core.randomness import CounterStream
 
 pytestmark = [
     pytest.mark.cuda,
@@ -48,6 +51,38 @@ def test_top_k_selects_the_cpus_entries_from_a_device_generator() -> None:
     on_cpu = codec.compress(x, torch.Generator().manual_seed(2))
     assert torch.equal(on_device.indices.cpu(), on_cpu.indices)
     assert torch.equal(on_device.to_bytes().cpu(), on_cpu.to_bytes())
+
+
+def test_host_waits_counts_a_read_back() -> None:
+    x = torch.ones(1000, device=CUDA)
+    assert host_waits(lambda: x.sum().item(), CUDA) == 1 and host_waits(lambda: x.mul_(2), CUDA) == 0
+
+
+def by_levels(codec: TopKCompressor) -> TopKCompressor:
+    codec.device_selection = "levels"
+    return codec
+
+
+@pytest.mark.parametrize(
+    ("codec", "waits"),
+    [(TopKCompressor(0.01), 0), (by_levels(TopKCompressor(0.01)), 1), (GaussianKCompressor(0.01), 1)],
+    ids=["topk", "topk-by-levels", "gaussiank"],
+)
+def test_a_selection_on_the_device_waits_for_it_at_most_once(codec: TopKCompressor, waits: int) -> None:
+    # torch.topk never waits; the ladder's one read-back sizes the selection; the CPU's sampled threshold and
+    # Gaussian_k's refinements read a count per try (391 waits for 1e8 entries)
+    x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(4)).to(CUDA)
+    first = codec.compress(x, CounterStream(0, CUDA))  # a first call may wait where the allocator grows
+    assert host_waits(lambda: codec.compress(x, CounterStream(1, CUDA)), CUDA) == waits
+    on_cpu = codec.compress(x.cpu(), CounterStream(0))
+    if codec.exact_count:  # an exact Top-k: the CPU's entries (continuous draws, no ties)
+        assert torch.equal(first.indices.cpu(), on_cpu.indices)
+    else:  # between k/2 and k of the largest entries
+        kept = torch.zeros(x.numel(), dtype=torch.bool)
+        kept[first.indices.cpu()] = True
+        assert 50_000 <= int(kept.sum()) <= 100_000 and float(x.abs().cpu()[kept].min()) > float(
+            x.abs().cpu()[~kept].max()
+        )
 
 
 @pytest.mark.parametrize(("n", "k", "capacity"), [(25_000_000, 250_000, None), (1000, 600, None), (10**6, 5000, 8000)])

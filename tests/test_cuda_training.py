@@ -2,9 +2,9 @@
 
 Run with ``pytest -m cuda`` on a machine with a GPU. What is deterministic (the identity, Top-k's selections, the
 scaled signs, PowerSGD from the same ``Q``) matches the CPU's result within the precision another summation order
-explains; what draws random numbers (a CUDA generator's stream is not the CPU's) is checked for what it promises
-on the device: an unbiased compressor's mean over many draws is the gradient within a few standard errors of the
-draws' own spread. A 1-process NCCL DDP trains with every named strategy and ends within float precision of the
+explains; what draws random numbers draws the same counter-hash bits on both devices, and is also checked for what
+it promises on the device: an unbiased compressor's mean over many draws is the gradient within a few standard errors
+of the draws' own spread. A 1-process NCCL DDP trains with every named strategy and ends within float precision of the
 same run on the CPU over gloo where the strategy draws nothing (relative distance of each tensor: another summation
 order may tip a selection at its boundary), and with its loss fallen and its memory on the device in every case.
 The helpers take the device: one test runs them on the CPU here, so they stay in working order where no GPU is.
@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gradcomp import NAMED_STRATEGIES, gradcomp_comm_hook, make_hook
 from lightning_gradcomp.core.compressors import COMPRESSORS
 from lightning_gradcomp.core.memory import Diana, ErrorFeedback
+from lightning_gradcomp.core.randomness import CounterStream
 
 
 def on_cuda(test: Callable) -> Callable:
@@ -46,7 +47,7 @@ def compress_once(name: str, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, 
     """``decompress(compress(x))`` with compressor ``name``'s defaults on ``x``'s device, and the payload's bytes
     (PowerSGD from a ``Q`` drawn on the CPU from ``seed``, so both devices start from the same one)."""
     compressor = COMPRESSORS[name]()
-    generator = torch.Generator(x.device).manual_seed(seed)
+    generator = CounterStream(seed, x.device)  # the same bits on both devices
     extra: dict = {}
     if compressor.shares_scale:
         scale = compressor.local_scale(x)

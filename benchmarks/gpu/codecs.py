@@ -1,11 +1,12 @@
 """Each codec's encode and decode time per bucket on one device, and ``torch.topk(sorted=False)`` at the same sizes.
 
 A bucket of ``n`` fp32 elements (a normal gradient) is encoded as the hook does it: error feedback's compensation
-where the method keeps a residual, the compressor's payload, the residual's update; decoding is the payload back to
-a dense tensor. Times are CUDA-event medians of ``--repeats`` after a warm-up call that compiles the kernels (its
-time is reported as the cold call), with the codec kernels compiled (``GRADCOMP_CODECS=auto``) and, side by side,
-eager; ``--modes generator`` adds the eager codecs drawing from a ``torch.Generator`` (the library's streams before
-the counter hash). Reading a bucket once is the floor: ``4 n`` bytes at the device's memory bandwidth.
+where the method keeps a residual, the compressor's payload and the bytes that travel, the residual's update;
+decoding is those bytes back to a dense tensor. Times are CUDA-event medians of ``--repeats`` after a warm-up call
+that compiles the kernels (its time is reported as the cold call), with the codec kernels compiled
+(``GRADCOMP_CODECS=auto``) and, side by side, eager; ``--modes generator`` adds the eager codecs drawing from a
+``torch.Generator`` (the library's streams before the counter hash). Reading a bucket once is the floor: ``4 n``
+bytes at the device's memory bandwidth. Each row also counts the host's waits for the device in one call.
 
     PYTHONPATH=. python benchmarks/gpu/codecs.py --out results/ [--sizes 1e6 1e7 1e8 1e9] [--device cuda]
 
@@ -35,12 +36,21 @@ from lightning_gradcomp.core.compressors import (
     WirePrecision,
 )
 from lightning_gradcomp.core.fused import set_codec_mode
+from lightning_gradcomp.core.host_waits import host_waits
 from lightning_gradcomp.core.memory import ErrorFeedback, NoMemory
 from lightning_gradcomp.core.randomness import CounterStream
+
+
+def level_selection(compressor: TopKCompressor) -> TopKCompressor:
+    """``compressor`` selecting from the ladder of levels off the CPU instead of ``torch.topk`` (to compare them)."""
+    compressor.device_selection = "levels"
+    return compressor
+
 
 #: ``name -> (compressor, memory)``: the codecs the targets name (Top-k and Gaussian_k at 1%, 4-bit QSGD).
 CODECS: dict[str, Callable[[], tuple[object, object]]] = {
     "topk_ef_1pct": lambda: (TopKCompressor(density=0.01), ErrorFeedback()),
+    "topk_ef_1pct_by_levels": lambda: (level_selection(TopKCompressor(density=0.01)), ErrorFeedback()),
     "gaussiank_ef_1pct": lambda: (GaussianKCompressor(density=0.01), ErrorFeedback()),
     "efsign": lambda: (ScaledSignCompressor(), ErrorFeedback()),
     "terngrad": lambda: (TernGradCompressor(), NoMemory()),
@@ -49,10 +59,15 @@ CODECS: dict[str, Callable[[], tuple[object, object]]] = {
 }
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
-    """``(cold, median)`` milliseconds of ``fn``: its first call (compiles), then the median of ``repeats``."""
+def timed(
+    fn: Callable[[], object], device: torch.device, repeats: int, setup: Callable[[], object] | None = None
+) -> tuple[float, float]:
+    """``(cold, median)`` milliseconds of ``fn``: its first call (compiles), then the median of ``repeats``;
+    ``setup`` runs before each call, outside the time."""
 
     def once() -> float:
+        if setup is not None:
+            setup()
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -69,23 +84,53 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple
 
 
 def measure(name: str, n: int, device: torch.device, repeats: int, generator: bool = False) -> dict:
+    """One codec's times on a bucket of ``n`` elements: encode (compensation, compression, the bytes that travel,
+    the residual's update) and decode (those bytes back to a dense tensor). The bucket is refilled outside the time."""
     compressor, memory = CODECS[name]()
     grad = torch.randn(n, device=device)
     work = torch.empty_like(grad)
+    shape = torch.Size([n])
     steps = iter(range(10**9))
-    payloads: list[object] = []
+    sent: list[torch.Tensor] = []
 
     def encode() -> None:
-        compensated = memory.compensate_("unit", work.copy_(grad))
+        compensated = memory.compensate_("unit", work)
         step = next(steps)
         draws = torch.Generator(device).manual_seed(step) if generator else CounterStream(step, device)
         payload = compressor.compress(compensated, draws)
-        memory.settle_("unit", compensated, local_part(compressor, payload), n)
-        payloads[:] = [payload]
+        sent[:] = [payload.to_bytes()]
+        if not isinstance(memory, NoMemory):
+            memory.settle_("unit", compensated, local_part(compressor, payload), n)
 
-    cold, encode_ms = timed(encode, device, repeats)
-    _, decode_ms = timed(lambda: compressor.decompress(payloads[0]), device, repeats)
-    return {"codec": name, "numel": n, "encode_ms": encode_ms, "decode_ms": decode_ms, "encode_cold_ms": cold}
+    def decode() -> None:
+        compressor.decompress(compressor.unpack(sent[0], shape, grad.dtype))
+
+    def refill() -> None:
+        work.copy_(grad)
+
+    cold, encode_ms = timed(encode, device, repeats, refill)
+    _, decode_ms = timed(decode, device, repeats)
+    refill()
+    syncs = host_waits(encode, device), host_waits(decode, device)
+    return {"codec": name, "numel": n, "encode_ms": encode_ms, "decode_ms": decode_ms, "encode_cold_ms": cold,
+            "encode_syncs": syncs[0], "decode_syncs": syncs[1]}  # fmt: skip
+
+
+def write(result: dict, path: Path) -> None:
+    """``result`` as JSON at ``path`` and as a Markdown table beside it."""
+    path.write_text(json.dumps(result, indent=1))
+    lines = [
+        f"# Codec times on {result['device']} (torch {result['torch']}), medians of {result['repeats']}",
+        "",
+        "| codec | mode | elements | encode ms | decode ms | cold encode ms | host syncs (encode, decode) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        cells = [f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, row.get("error", "")))
+                 for k in ("encode_ms", "decode_ms", "encode_cold_ms")]  # fmt: skip
+        syncs = f"{row['encode_syncs']}, {row['decode_syncs']}" if row.get("encode_syncs") is not None else ""
+        lines.append(f"| {row['codec']} | {row['mode']} | {row['numel']:,} | " + " | ".join(cells) + f" | {syncs} |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,24 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             for codec in args.codecs:
                 try:
                     rows.append({**measure(codec, n, device, args.repeats, mode == "generator"), "mode": mode})
-                except torch.OutOfMemoryError as error:
-                    rows.append({"codec": codec, "mode": mode, "numel": n, "error": str(error).splitlines()[0]})
+                except Exception as error:  # a codec that fails (out of memory, say) is a row
+                    rows.append({"codec": codec, "mode": mode, "numel": n, "error": repr(error).splitlines()[0][:200]})
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                path.write_text(json.dumps(result, indent=1))  # what finished survives a timeout
+                write(result, path)  # what finished survives a timeout
                 print(json.dumps(rows[-1]), flush=True)
-    lines = [
-        f"# Codec times on {name} (torch {torch.__version__}), medians of {args.repeats}",
-        "",
-        "| codec | mode | elements | encode ms | decode ms | cold encode ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        cells = [f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, row.get("error", "")))
-                 for k in ("encode_ms", "decode_ms", "encode_cold_ms")]  # fmt: skip
-        lines.append(f"| {row['codec']} | {row['mode']} | {row['numel']:,} | " + " | ".join(cells) + " |")
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(path.with_suffix(".md").read_text())
     return 0
 
 

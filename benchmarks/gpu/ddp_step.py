@@ -27,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, gradcomp_comm_hook, make_hook
+from lightning_gradcomp.core.host_waits import host_waits
 
 #: PyTorch's own DDP hooks, the peers of the 16-bit wires and PowerSGD (rank 4, as the ``ddp_powersgd`` preset).
 TORCH_HOOKS = {
@@ -41,7 +42,7 @@ TORCH_HOOKS = {
 
 DEFAULT_PRESETS = [
     "ddp_fp16", "ddp_bf16", "ddp_topk", "ddp_gtopk", "ddp_gaussiank", "ddp_terngrad", "ddp_diana", "ddp_efsign",
-    "ddp_qsgd", "ddp_powersgd", "ddp_int8", *TORCH_HOOKS,
+    "ddp_atomo", "ddp_powersgd", "ddp_int8", *TORCH_HOOKS,
 ]  # fmt: skip
 
 
@@ -49,7 +50,9 @@ def model(width: int = 4096) -> nn.Module:
     return nn.Sequential(nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1024))
 
 
-def step_ms(preset: str | None, device: torch.device, steps: int, warmup: int) -> float:
+def step_ms(preset: str | None, device: torch.device, steps: int, warmup: int) -> tuple[float, int | None]:
+    """The median step in milliseconds, and how many times the step after the warm-up made the host wait for the
+    device (``torch.cuda.set_sync_debug_mode``'s warnings, from the backward thread too; ``None`` off CUDA)."""
     torch.manual_seed(0)
     net = model().to(device)
     ddp = DistributedDataParallel(net, device_ids=[device] if device.type == "cuda" else None)
@@ -63,8 +66,17 @@ def step_ms(preset: str | None, device: torch.device, steps: int, warmup: int) -
         ddp.register_comm_hook(make_hook(ddp, preset, **overrides), gradcomp_comm_hook)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     x, y = torch.randn(64, 1024, device=device), torch.randn(64, 1024, device=device)
-    times = []
-    for step in range(warmup + steps):
+    times, syncs = [], None
+    for step in range(warmup + steps + 1):
+        if step == warmup + steps:  # one more step, counting the host's waits (None off CUDA)
+
+            def one_step() -> None:
+                optimizer.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                optimizer.step()
+
+            syncs = host_waits(one_step, device)
+            break
         began = time.perf_counter()
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,9 +90,23 @@ def step_ms(preset: str | None, device: torch.device, steps: int, warmup: int) -
             elapsed = start.elapsed_time(stop)
         else:
             elapsed = (time.perf_counter() - began) * 1e3
-        if step >= warmup:
+        if warmup <= step < warmup + steps:
             times.append(elapsed)
-    return statistics.median(times)
+    return statistics.median(times), syncs
+
+
+def write(result: dict, path: Path, steps: int) -> None:
+    """``result`` as JSON at ``path`` and as a Markdown table beside it."""
+    path.write_text(json.dumps(result, indent=1))
+    lines = [f"# One-process DDP step on {result['device']} (torch {result['torch']}), 25.2M-parameter MLP, batch 64 "
+             f"(median of {steps})", "", "| strategy | step ms | ratio to plain DDP | host syncs in a step |",
+             "|---|---|---|---|"]  # fmt: skip
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | {r['error']} | | |")
+        else:
+            lines.append(f"| {r['preset']} | {r['step_ms']:.2f} | {r['ratio']:.2f} | {r['host_syncs']} |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,23 +126,23 @@ def main(argv: list[str] | None = None) -> int:
         store = dist.FileStore(os.path.join(directory, "store"), 1)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=300))
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        rows: list[dict] = []
+        result = {"device": name, "torch": torch.__version__, "rows": rows}
         try:
-            plain = step_ms(None, device, args.steps, args.warmup)
-            rows = [{"preset": "plain DDP", "step_ms": plain, "ratio": 1.0}]
+            plain, syncs = step_ms(None, device, args.steps, args.warmup)
+            rows.append({"preset": "plain DDP", "step_ms": plain, "ratio": 1.0, "host_syncs": syncs})
             for preset in args.presets:
-                ms = step_ms(preset, device, args.steps, args.warmup)
-                rows.append({"preset": preset, "step_ms": ms, "ratio": ms / plain})
+                try:
+                    ms, syncs = step_ms(preset, device, args.steps, args.warmup)
+                    rows.append({"preset": preset, "step_ms": ms, "ratio": ms / plain, "host_syncs": syncs})
+                except Exception as error:  # a strategy that fails is a row, not the end
+                    rows.append({"preset": preset, "error": repr(error).splitlines()[0][:200]})
+                write(result, args.out / f"ddp_step_{device.type}.json", args.steps)  # survives a timeout
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             dist.destroy_process_group()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {"device": name, "torch": torch.__version__, "rows": rows}
-    (args.out / f"ddp_step_{device.type}.json").write_text(json.dumps(result))
-    lines = [f"# One-process DDP step on {name}, 25.2M-parameter MLP, batch 64 (median of {args.steps})", "",
-             "| strategy | step ms | ratio to plain DDP |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['preset']} | {r['step_ms']:.2f} | {r['ratio']:.2f} |" for r in rows]
-    (args.out / f"ddp_step_{device.type}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print((args.out / f"ddp_step_{device.type}.md").read_text())
     return 0
 
 

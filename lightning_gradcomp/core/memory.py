@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors import Entries, SparseEntries, all_finite
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, chunk_for
 from lightning_gradcomp.core.compressors.sparse import dense_of
 from lightning_gradcomp.core.validation import check_choice, check_number
 
@@ -343,13 +343,14 @@ class Diana(Memory):
                 self._step(self._global, name, mean, self.alpha_for(unit_numel), like=mean)
             return
         alpha = self.alpha_for(unit_numel)
-        estimate = torch.empty(min(mean.numel(), STREAM_CHUNK), dtype=out.dtype, device=out.device)
-        for start in range(0, mean.numel(), STREAM_CHUNK):
-            m, h = mean[start : start + STREAM_CHUNK], shift[start : start + STREAM_CHUNK]
+        span = chunk_for(out.device, STREAM_CHUNK)
+        estimate = torch.empty(min(mean.numel(), span), dtype=out.dtype, device=out.device)
+        for start in range(0, mean.numel(), span):
+            m, h = mean[start : start + span], shift[start : start + span]
             chunk = torch.add(h, m, out=estimate[: m.numel()])
             if update:
                 h.add_(m, alpha=alpha)
-            out[start : start + STREAM_CHUNK].copy_(chunk)
+            out[start : start + span].copy_(chunk)
 
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         alpha = self.alpha_for(compensated.numel() if unit_numel is None else unit_numel)

@@ -37,6 +37,16 @@ from lightning_gradcomp.core.workspace import Scratch
 #: page faults cost more than the arithmetic on a large model. A power of two: every chunk but the last fills
 #: whole bytes of packed codes (4 ternary codes, 8 signs a byte).
 STREAM_CHUNK = 1 << 20
+#: Elements per chunk on an accelerator, where every chunk costs a kernel launch per operation (about as long as
+#: streaming a million elements) and a temporary costs no page faults: 64 MiB of fp32 at most, a few chunks for
+#: the largest bucket. A power of two, as :data:`STREAM_CHUNK`.
+DEVICE_CHUNK = 1 << 24
+
+
+def chunk_for(device: torch.device, chunk: int) -> int:
+    """Elements a codec streams at a time on ``device``: ``chunk`` (cache-sized) on the CPU, at least
+    :data:`DEVICE_CHUNK` elsewhere, so that a GPU runs a few large kernels instead of a storm of small ones."""
+    return chunk if device.type == "cpu" else max(chunk, DEVICE_CHUNK)
 
 
 def all_finite(x: Tensor) -> bool:

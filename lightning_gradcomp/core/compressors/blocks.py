@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, chunk_for
 from lightning_gradcomp.core.validation import check_int
 
 #: Past one passing block in this many, :meth:`MagnitudeBlocks.above` streams over the whole tensor instead.
@@ -44,12 +44,13 @@ def streamed_above(flat: Tensor, thr: float, inclusive: bool = False) -> Tensor:
     if inclusive:
         below = torch.tensor(thr, dtype=flat.dtype).nextafter(torch.tensor(-math.inf, dtype=flat.dtype))
         thr = float(below)
-    size = min(flat.numel(), STREAM_CHUNK)
+    span = chunk_for(flat.device, STREAM_CHUNK)
+    size = min(flat.numel(), span)
     shrunk = torch.empty(size, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(size, dtype=torch.bool, device=flat.device)
     found = []
-    for start in range(0, flat.numel(), STREAM_CHUNK):
-        chunk = flat[start : start + STREAM_CHUNK]
+    for start in range(0, flat.numel(), span):
+        chunk = flat[start : start + span]
         n = chunk.numel()
         torch.ops.aten.hardshrink.out(chunk, thr, out=shrunk[:n])
         mask[:n].copy_(shrunk[:n])

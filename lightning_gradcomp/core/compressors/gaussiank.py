@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import streams
 from lightning_gradcomp.core.compressors.draws import Draws
+from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, k_for
@@ -143,7 +144,14 @@ class GaussianKCompressor(TopKCompressor):
         return abs(mu) + z * sigma, zero, abs(mu)
 
     def select_k(self, flat: Tensor | Segments, k: int, generator: Draws = None) -> Tensor:
-        """Ascending indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class."""
+        """Ascending indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class. Off the
+        CPU, the count window is first sought on a ladder of thresholds counted in one pass
+        (:func:`~lightning_gradcomp.core.compressors.ladder.gaussian_k_by_levels`: one wait for the device instead
+        of one per reduction and refinement), and the refinements below run only where it finds none."""
+        if flat.device.type != "cpu":
+            chosen = gaussian_k_by_levels(flat, k, self.density, LOWER)
+            if chosen is not None:
+                return chosen
         thr, zero, centre = self._moments(flat)
         if not math.isfinite(thr):
             return self.exact_select(flat)

@@ -28,7 +28,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite, chunk_for
 from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.core.compressors.ternary import (
@@ -70,9 +70,10 @@ def pack_levels(codes: Tensor, levels: int, out: Tensor | None = None) -> Tensor
     packed = torch.empty(codes_nbytes(numel, levels), dtype=torch.uint8, device=codes.device) if out is None else out
     if code_bits(levels) == 8:
         return torch.add(biased, levels, out=packed)
-    scratch = torch.empty(min(numel, STREAM_CHUNK) + 1, dtype=torch.uint8, device=codes.device)
-    for start in range(0, numel, STREAM_CHUNK):  # an even chunk: pairs never straddle two
-        n = min(STREAM_CHUNK, numel - start)
+    span = chunk_for(codes.device, STREAM_CHUNK)
+    scratch = torch.empty(min(numel, span) + 1, dtype=torch.uint8, device=codes.device)
+    for start in range(0, numel, span):  # an even chunk: pairs never straddle two
+        n = min(span, numel - start)
         chunk = torch.add(biased[start : start + n], levels, out=scratch[:n])
         if n % 2:
             scratch[n] = 0
@@ -102,8 +103,9 @@ def unpack_levels(packed: Tensor, numel: int, levels: int) -> Tensor:
         return torch.sub(packed, levels, out=biased).view(torch.int8)
     whole = numel // 2
     pairs = biased[: 2 * whole].view(-1, 2)
-    for start in range(0, whole, STREAM_CHUNK):
-        stop = min(start + STREAM_CHUNK, whole)
+    span = chunk_for(packed.device, STREAM_CHUNK)
+    for start in range(0, whole, span):
+        stop = min(start + span, whole)
         torch.bitwise_and(packed[start:stop], 0xF, out=pairs[start:stop, 0])
         torch.bitwise_right_shift(packed[start:stop], 4, out=pairs[start:stop, 1])
     if numel % 2:
@@ -189,13 +191,14 @@ class LevelsPayload(PackedCodes, Payload):
         work = working_dtype(self.dtype)
         scales = self.norms.to(work) / self.levels
         block, n = self.block, out.numel()
-        buffer = torch.empty(min(n, STREAM_CHUNK), dtype=work, device=out.device)
+        span = chunk_for(out.device, STREAM_CHUNK)
+        buffer = torch.empty(min(n, span), dtype=work, device=out.device)
         done = 0
         while done < n:
             start = first + done
             # a block edge unless it is the last piece, or blocks are longer than a chunk
-            edge = start - start % block + STREAM_CHUNK
-            end = min(first + n, edge if edge > start else start + STREAM_CHUNK)
+            edge = start - start % block + span
+            end = min(first + n, edge if edge > start else start + span)
             values = buffer[: end - start].copy_(self.code_range(start, end - start))
             head = min((-start) % block, end - start)  # the rest of the block ``start`` lies in
             if head:

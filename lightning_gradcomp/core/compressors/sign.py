@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload, chunk_for
 from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.kernels import encode_signs
 from lightning_gradcomp.core.compressors.ternary import LITTLE_ENDIAN
@@ -55,9 +55,10 @@ def pack_signs(flat: Tensor) -> Tensor:
     if not LITTLE_ENDIAN or numel == 0:
         return pack_bits(flat >= 0)
     packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device)
-    mask = torch.zeros(min(numel + 7, STREAM_CHUNK) // 8 * 8, dtype=torch.bool, device=flat.device)
-    for start in range(0, numel, STREAM_CHUNK):
-        part = flat[start : start + STREAM_CHUNK]
+    span = chunk_for(flat.device, STREAM_CHUNK)
+    mask = torch.zeros(min(numel + 7, span) // 8 * 8, dtype=torch.bool, device=flat.device)
+    for start in range(0, numel, span):
+        part = flat[start : start + span]
         n = part.numel()
         whole = (n + 7) // 8 * 8
         torch.ge(part, 0, out=mask[:n])
@@ -73,10 +74,9 @@ def pack_signs(flat: Tensor) -> Tensor:
 def l1_norm(flat: Tensor) -> Tensor:
     """``||flat||_1`` as a 0-dim float32 tensor: float32 sums of chunks (``flat.abs().sum()`` for a tensor of one
     chunk), added in float64; no ``|flat|`` of the tensor's size is allocated."""
-    magnitudes = torch.empty(min(flat.numel(), STREAM_CHUNK), dtype=flat.dtype, device=flat.device)
-    partials = [
-        torch.abs(part, out=magnitudes[: part.numel()]).sum(dtype=torch.float32) for part in flat.split(STREAM_CHUNK)
-    ]
+    span = chunk_for(flat.device, STREAM_CHUNK)
+    magnitudes = torch.empty(min(flat.numel(), span), dtype=flat.dtype, device=flat.device)
+    partials = [torch.abs(part, out=magnitudes[: part.numel()]).sum(dtype=torch.float32) for part in flat.split(span)]
     if len(partials) <= 1:
         return partials[0] if partials else flat.new_zeros((), dtype=torch.float32)
     return torch.stack(partials).sum(dtype=torch.float64).to(torch.float32)
@@ -85,8 +85,9 @@ def l1_norm(flat: Tensor) -> Tensor:
 def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, first: int = 0) -> Tensor:
     """``out += scale * sign`` for the ``out.numel()`` signs of ``packed`` from sign number ``first`` on, decoded
     chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would)."""
-    for start in range(0, out.numel(), STREAM_CHUNK):
-        target = out[start : start + STREAM_CHUNK]
+    span = chunk_for(out.device, STREAM_CHUNK)
+    for start in range(0, out.numel(), span):
+        target = out[start : start + span]
         begin = first + start
         head = begin % 8
         bytes_ = packed[begin // 8 : (begin + target.numel() + 7) // 8]

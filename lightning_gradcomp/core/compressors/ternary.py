@@ -24,7 +24,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite, chunk_for
 from lightning_gradcomp.core.compressors.blocks import sparse_nonzero
 from lightning_gradcomp.core.compressors.draws import Draws, random_bytes, uniform
 from lightning_gradcomp.core.compressors.kernels import draw_codes, draw_packed_codes
@@ -55,9 +55,10 @@ def pack_2bit(codes: Tensor, out: Tensor | None = None) -> Tensor:
     packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8, device=codes.device) if out is None else out
     # in chunks through one small buffer: no temporaries of the codes' size (their page faults cost more
     # than the packing on a 25M-element model)
-    biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, STREAM_CHUNK), dtype=torch.uint8, device=codes.device)
-    for start in range(0, numel, STREAM_CHUNK):
-        n = min(STREAM_CHUNK, numel - start)
+    span = chunk_for(codes.device, STREAM_CHUNK)
+    biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, span), dtype=torch.uint8, device=codes.device)
+    for start in range(0, numel, span):
+        n = min(span, numel - start)
         whole = -(-n // CODES_PER_BYTE) * CODES_PER_BYTE
         # uint8 arithmetic wraps: -1 (0xFF) + 1 = 0, 0 + 1 = 1, 1 + 1 = 2.
         torch.add(flat[start : start + n].view(torch.uint8), 1, out=biased[:n])
@@ -74,7 +75,7 @@ def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
     if packed.numel() != packed_nbytes(numel):
         raise ValueError(f"{numel} codes take {packed_nbytes(numel)} bytes, got {packed.numel()}")
     codes = torch.empty(numel, dtype=torch.int8, device=packed.device)
-    step = STREAM_CHUNK // CODES_PER_BYTE  # packed bytes per chunk: its temporaries stay a few MiB
+    step = chunk_for(packed.device, STREAM_CHUNK) // CODES_PER_BYTE  # packed bytes per chunk
     for start in range(0, packed.numel(), step):
         chunk = packed[start : start + step]
         biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
@@ -145,8 +146,9 @@ class PackedCodes:
 
     def codes_into(self, out: Tensor) -> Tensor:
         """Every code written into the flat integer tensor ``out``, a chunk at a time (no int8 copy of them all)."""
-        for start in range(0, out.numel(), STREAM_CHUNK):
-            n = min(STREAM_CHUNK, out.numel() - start)
+        span = chunk_for(out.device, STREAM_CHUNK)
+        for start in range(0, out.numel(), span):
+            n = min(span, out.numel() - start)
             out[start : start + n].copy_(self.code_range(start, n))
         return out
 
@@ -363,7 +365,7 @@ def _stochastic_codes(
     numel = g.numel()
     # whole blocks per chunk when there are several, and whole random words (so whole packed bytes)
     step = 8 if block_size >= numel else math.lcm(block_size, 8)
-    chunk = step * max(1, ENCODE_CHUNK // step)
+    chunk = step * max(1, chunk_for(g.device, ENCODE_CHUNK) // step)
     size = min(chunk, numel)
     if packed is None:
         codes = torch.empty(numel, dtype=torch.int8, device=g.device)
@@ -457,7 +459,7 @@ def _counter_codes(
         return packing.copy_trimmed_(packed, drawn, numel)
     codes = torch.empty(numel if packed is None else 0, dtype=torch.int8, device=g.device)
     unit = 8 if multipliers.numel() == 1 else math.lcm(block_size, 8)  # whole bytes, and whole blocks if several
-    chunk = max(1, ENCODE_CHUNK // unit) * unit
+    chunk = max(1, chunk_for(g.device, ENCODE_CHUNK) // unit) * unit
     for start in range(0, numel, chunk):
         stop = min(start + chunk, numel)
         piece = block.clone()
@@ -552,7 +554,8 @@ class TernaryPayload(PackedCodes, Payload):
         if out.dtype != work:
             return out.add_(self.decode_range(start, numel), alpha=alpha)
         scales = self.scales.to(work)
-        chunk = size * max(1, ENCODE_CHUNK // size) if size <= ENCODE_CHUNK else ENCODE_CHUNK
+        limit = chunk_for(out.device, ENCODE_CHUNK)
+        chunk = size * max(1, limit // size) if size <= limit else limit
         scratch = torch.empty(min(chunk, numel), dtype=work, device=out.device)
         for offset in range(0, numel, chunk):
             n = min(chunk, numel - offset)

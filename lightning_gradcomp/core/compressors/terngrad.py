@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import Compressor, Payload
+from lightning_gradcomp.core.compressors.base import Compressor, Payload, chunk_for
 from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.ternary import (
     ENCODE_CHUNK,
@@ -181,9 +181,10 @@ class TernGradCompressor(Compressor):
             return TernaryPayload(total, first.scales, first.shape, first.dtype, first.block_size).add_to_(out)
         # chunk by chunk (received codes stay packed): the integer sum, times S (one rounding), added to out
         scale = first.scales.to(work)
-        values = torch.empty(min(out.numel(), ENCODE_CHUNK), dtype=work, device=out.device)
-        for start in range(0, out.numel(), ENCODE_CHUNK):
-            n = min(ENCODE_CHUNK, out.numel() - start)
+        span = chunk_for(out.device, ENCODE_CHUNK)
+        values = torch.empty(min(out.numel(), span), dtype=work, device=out.device)
+        for start in range(0, out.numel(), span):
+            n = min(span, out.numel() - start)
             total = values[:n].copy_(_summed_codes(payloads, start, n))
             out[start : start + n].addcmul_(total, scale)
         return out
