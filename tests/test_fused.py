@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning_gradcomp.core.fused as fused_module
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
 from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, TernGradCompressor
-from lightning_gradcomp.core.compressors.kernels import draw_packed_codes, encode_signs
+from lightning_gradcomp.core.compressors.kernels import clipped_scale, draw_packed_codes, encode_signs
 from lightning_gradcomp.core.compressors.ternary import ENCODE_CHUNK
 from lightning_gradcomp.core.fused import FusedKernel, codec_mode, set_codec_mode
 from lightning_gradcomp.core.randomness import CounterStream
@@ -43,11 +43,13 @@ def _gradient(seed: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * 1e-3
 
 
-def _compress_both(compressor: object, x: torch.Tensor, key: int, mode: object) -> tuple[object, object]:
+def _compress_both(
+    compressor: object, x: torch.Tensor, key: int, mode: object, **extra: object
+) -> tuple[object, object]:
     mode("compiled")
-    compiled = compressor.compress(x, CounterStream(key))
+    compiled = compressor.compress(x, CounterStream(key), **extra)
     mode("eager")
-    return compiled, compressor.compress(x, CounterStream(key))
+    return compiled, compressor.compress(x, CounterStream(key), **extra)
 
 
 @pytest.mark.parametrize(
@@ -57,9 +59,30 @@ def _compress_both(compressor: object, x: torch.Tensor, key: int, mode: object) 
 )
 def test_compiled_stochastic_codes_are_the_eager_chunked_draws_byte_for_byte(compressor: object, mode: object) -> None:
     for key in (1, 2):
-        compiled, eager = _compress_both(compressor, _gradient(key), key, mode)
+        x = _gradient(key)
+        # TernGrad's scaler is a float from reductions (compared in the next test): both draw under the eager one
+        extra = {"local_scale": compressor.local_scale(x)} if isinstance(compressor, TernGradCompressor) else {}
+        compiled, eager = _compress_both(compressor, x, key, mode, **extra)
         assert torch.equal(compiled.to_bytes(), eager.to_bytes())
     assert draw_packed_codes.compiled_calls >= 2
+
+
+def test_the_compiled_scaler_is_the_eager_one_within_the_rounding_of_a_reordered_variance(mode: object) -> None:
+    calls = clipped_scale.compiled_calls
+    for key, clip in [(4, 2.5), (5, 2.5), (4, 0.0)]:
+        g = _gradient(key)
+        g[11] = 0.05  # one outlier: 2.5 sigma binds, below max|g|
+        mode("compiled")
+        compiled = float(clipped_scale(g, clip))
+        mode("eager")
+        eager = float(clipped_scale(g, clip))
+        if clip == 0:  # max|g| is exact in any order
+            assert compiled == eager == float(torch.tensor(0.05))
+        else:
+            # the variance is a sum of d squared deviations: in another order within about 2 (d - 1) u of the eager
+            # one, relatively; the square root halves that, and the mean, the division and c * sigma add a few u
+            assert eager < 0.05 and abs(compiled - eager) <= ((NUMEL - 1) * EPS32 + 8 * EPS32) * eager
+    assert clipped_scale.compiled_calls == calls + 3
 
 
 def test_compiled_signs_are_the_eager_bits_and_the_magnitude_within_summation_rounding(mode: object) -> None:
@@ -125,12 +148,14 @@ class _Net(nn.Module):
 
 
 def _train(group: dist.ProcessGroup, codecs: str) -> dict:
-    """Four TernGrad steps of a 1-process DDP whose backward runs on a thread of its own."""
+    """Four TernGrad steps of a 1-process DDP whose backward runs on a thread of its own (unclipped: its scaler
+    ``max|g|`` is exact in any order, where the clipped one's variance may differ by a rounding, and a code with it)."""
     set_codec_mode(codecs)
     torch.manual_seed(0)
     model = _Net()
     ddp = DistributedDataParallel(model, process_group=group)
-    ddp.register_comm_hook(make_hook(ddp, "ddp_terngrad", warmup_steps=0, min_compress_numel=100), gradcomp_comm_hook)
+    hook = make_hook(ddp, "ddp_terngrad", warmup_steps=0, min_compress_numel=100, compressor_kwargs={"clip_sigma": 0})
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
     callers, calls = [], draw_packed_codes.compiled_calls

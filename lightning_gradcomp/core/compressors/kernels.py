@@ -14,7 +14,15 @@ from torch import Tensor
 from lightning_gradcomp.core.fused import fused
 from lightning_gradcomp.core.randomness import hash_counters
 
-__all__ = ["draw_codes", "draw_packed_codes", "encode_signs", "pack_fields", "stochastic_codes", "whole_blocks"]
+__all__ = [
+    "clipped_scale",
+    "draw_codes",
+    "draw_packed_codes",
+    "encode_signs",
+    "pack_fields",
+    "stochastic_codes",
+    "whole_blocks",
+]
 
 #: ``q`` (a keep probability times this) is resolved by the top 8 bits of a draw, its fraction by the other 24.
 _LEVELS = 256.0
@@ -132,3 +140,16 @@ def encode_signs(flat: Tensor, rms: bool) -> tuple[Tensor, Tensor]:
     work = flat.to(torch.float32)
     magnitude = (torch.linalg.vector_norm(work) if rms else work.abs().sum()) / (d**0.5 if rms else d)
     return magnitude, pack_fields((flat >= 0).to(torch.uint8), 8, 0)
+
+
+@fused
+def clipped_scale(g: Tensor, clip_sigma: float) -> Tensor:
+    """TernGrad's scaler of the flat float32 ``g`` (Wen et al., 2017, Sec. 3.3): ``max|g|``, lowered to
+    ``clip_sigma * std(g)`` (the population standard deviation) when that is smaller and positive, ``clip_sigma = 0``
+    meaning no clipping. Compiled, the maximum and the variance come from one pass over ``g``; eagerly, two."""
+    low, high = torch.aminmax(g)
+    scale = torch.maximum(high, -low)
+    if clip_sigma > 0:
+        bound = clip_sigma * torch.std(g, correction=0)
+        scale = torch.where(bound > 0, torch.minimum(scale, bound), scale)
+    return scale

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload, chunk_for
 from lightning_gradcomp.core.compressors.draws import Draws
+from lightning_gradcomp.core.compressors.kernels import clipped_scale
 from lightning_gradcomp.core.compressors.ternary import (
     ENCODE_CHUNK,
     TERNARY_PACKING,
@@ -108,12 +109,7 @@ class TernGradCompressor(Compressor):
         g = x.detach().reshape(-1).to(torch.float32)
         if g.numel() == 0:
             return g, torch.zeros((), dtype=torch.float32, device=g.device)
-        low, high = torch.aminmax(g)
-        scale = torch.maximum(high, -low)
-        if self.clip_sigma > 0:
-            bound = self.clip_sigma * torch.std(g, correction=0)
-            scale = torch.where(bound > 0, torch.minimum(scale, bound), scale)
-        return g, scale
+        return g, clipped_scale(g, float(self.clip_sigma))
 
     def local_scale(self, x: Tensor) -> Tensor:
         """This rank's scaler ``max|clipped g|`` as a 0-dim float32 tensor."""
