@@ -105,3 +105,12 @@ def test_host_waits_counts_nothing_off_cuda() -> None:
     from lightning_gradcomp.core.host_waits import host_waits
 
     assert host_waits(lambda: torch.ones(3).sum().item(), "cpu") is None
+
+
+def test_a_misspelt_device_selection_is_refused_by_name() -> None:
+    from lightning_gradcomp.core.compressors import TopKCompressor
+
+    codec = TopKCompressor(0.01)
+    codec.device_selection = "level"
+    with pytest.raises(ValueError, match=r"device_selection must be one of \['torch.topk', 'levels'\], got 'level'"):
+        codec.select_k(torch.empty(1000, device="meta"), 10)  # off the CPU, where the choice is read

@@ -13,7 +13,10 @@ from lightning_gradcomp.core.compressors.draws import Draws, random_integers
 from lightning_gradcomp.core.compressors.ladder import top_k_by_levels
 from lightning_gradcomp.core.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
-from lightning_gradcomp.core.validation import check_density
+from lightning_gradcomp.core.validation import check_choice, check_density
+
+#: How Top-k selects off the CPU (:attr:`TopKCompressor.device_selection`).
+DEVICE_SELECTIONS = ("torch.topk", "levels")
 
 
 def ascending_top_k(magnitudes: Tensor, k: int) -> Tensor:
@@ -127,7 +130,8 @@ class TopKCompressor(FixedKSparsifier):
         ladder of levels counted in one pass (:func:`~lightning_gradcomp.core.compressors.ladder.top_k_by_levels`:
         one wait)."""
         if flat.device.type != "cpu":
-            chosen = top_k_by_levels(flat, k, self.density) if self.device_selection == "levels" else None
+            by_levels = check_choice("device_selection", self.device_selection, DEVICE_SELECTIONS) == "levels"
+            chosen = top_k_by_levels(flat, k, self.density) if by_levels else None
             return self.exact_select(flat).sort().values if chosen is None else chosen
         if generator is None:
             return self.exact_select(flat)
