@@ -67,23 +67,21 @@ def step_ms(preset: str | None, device: torch.device, steps: int, warmup: int) -
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     x, y = torch.randn(64, 1024, device=device), torch.randn(64, 1024, device=device)
     times, syncs = [], None
+
+    def one_step() -> None:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+
     for step in range(warmup + steps + 1):
         if step == warmup + steps:  # one more step, counting the host's waits (None off CUDA)
-
-            def one_step() -> None:
-                optimizer.zero_grad()
-                nn.functional.mse_loss(ddp(x), y).backward()
-                optimizer.step()
-
             syncs = host_waits(one_step, device)
             break
         began = time.perf_counter()
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        optimizer.step()
+        one_step()
         if device.type == "cuda":
             stop.record()
             stop.synchronize()

@@ -15,7 +15,6 @@ slots, so aggregate with ``"allgather"`` (no size exchange) or ``"gtopk"``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -23,7 +22,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import streams
 from lightning_gradcomp.core.compressors.draws import Draws
-from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels
+from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels, normal_quantile
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, k_for
@@ -34,12 +33,6 @@ from lightning_gradcomp.core.validation import check_int
 LOWER = 0.5
 TARGET = 0.75
 SHRINK = 0.5
-
-
-@functools.lru_cache(maxsize=64)
-def normal_quantile(p: float) -> float:
-    """``Phi^-1(p)``, the standard normal quantile, for ``0 < p < 1`` (``torch.special.ndtri`` in float64)."""
-    return float(torch.special.ndtri(torch.tensor(p, dtype=torch.float64)))
 
 
 def refitted(thr: float, centre: float, count: int, target: float, d: int) -> float | None:

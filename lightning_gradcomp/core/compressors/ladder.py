@@ -16,6 +16,7 @@ a count and its mask.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 
@@ -29,6 +30,12 @@ from lightning_gradcomp.core.compressors.segments import Segments
 #: exactly ``floor(v)``: its ``v * LEVELS / LEVELS`` rounds nothing).
 STEPS_PER_OCTAVE = 32
 LEVELS = 256
+
+
+@functools.lru_cache(maxsize=64)
+def normal_quantile(p: float) -> float:
+    """``Phi^-1(p)``, the standard normal quantile, for ``0 < p < 1`` (``torch.special.ndtri`` in float64)."""
+    return float(torch.special.ndtri(torch.tensor(p, dtype=torch.float64)))
 
 
 def pieces(flat: Tensor | Segments) -> Iterator[tuple[int, Tensor]]:
@@ -58,7 +65,7 @@ def gaussian_centre(flat: Tensor | Segments, density: float) -> tuple[Tensor, Te
     d = flat.numel()
     mu = total / d
     sigma = (sumsq / d - mu * mu).clamp_(min=0).sqrt_()
-    z = float(torch.special.ndtri(torch.tensor(1.0 - density / 2.0, dtype=torch.float64))) if density < 1 else 0.0
+    z = normal_quantile(1.0 - density / 2.0) if density < 1 else 0.0
     centre = (mu.abs() + z * sigma).clamp_(min=torch.finfo(torch.float32).tiny)
     return centre, sumsq
 
