@@ -140,3 +140,19 @@ def test_memory_registry() -> None:
         build_memory("residual")
     with pytest.raises(ValueError, match=r"memory 'ef' does not take the arguments \['alpha'\]"):
         build_memory("ef", alpha=0.5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_sparse_mean_divides_only_where_entries_landed_and_equals_the_dense_division(world: int) -> None:
+    compressor = TopKCompressor(density=0.05)
+    numel = 4000
+    payloads = []
+    for rank in range(world):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        x[:50] += 10.0  # entries every rank sends: an index written once per rank, with the same value
+        payloads.append(compressor.compress(x, torch.Generator().manual_seed(10 + rank)))
+    mean = compressor.average_all(payloads, torch.full((numel,), 7.0), world)
+    dense = compressor.accumulate_all(payloads, torch.zeros(numel)).div_(world)
+    assert torch.equal(mean, dense)
+    # the ranks chose different entries besides the 50 they share
+    assert bool((mean[:50] != 0).all()) and int((mean != 0).sum()) > k_for(numel, 0.05)

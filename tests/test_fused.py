@@ -110,23 +110,24 @@ def test_new_keys_and_new_values_reuse_the_compiled_kernels(mode: object) -> Non
 
 def test_without_a_compiler_kernels_warn_once_and_run_eagerly(mode: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_module, "_broken", {})
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    mode("auto")
-    kernel = FusedKernel(lambda x: (x * 3).sum(0))  # a fresh function: nothing of it is cached
-    x = torch.arange(12.0).reshape(4, 3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first, second = kernel(x), kernel(x)
-    ours = [w for w in caught if "cannot build codec kernels" in str(w.message)]
-    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
-    assert "InvalidCxxCompiler" in str(ours[0].message)
-    assert torch.equal(first, x.sum(0) * 3) and torch.equal(second, first)
-    assert kernel.compiled_calls == 0
-    mode("compiled")  # the setting that wants to know: the failure is raised
-    monkeypatch.setattr(fused_module, "_broken", {})
-    with pytest.raises(Exception, match="InvalidCxxCompiler"):
-        FusedKernel(lambda x: (x * 5).sum(0))(x)
+    # inductor's own patching restores its settings (monkeypatching its config module deleted a hidden one)
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
+        mode("auto")
+        kernel = FusedKernel(lambda x: (x * 3).sum(0))  # a fresh function: nothing of it is cached
+        x = torch.arange(12.0).reshape(4, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first, second = kernel(x), kernel(x)
+        ours = [w for w in caught if "cannot build codec kernels" in str(w.message)]
+        assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+        assert "InvalidCxxCompiler" in str(ours[0].message)
+        assert torch.equal(first, x.sum(0) * 3) and torch.equal(second, first)
+        assert kernel.compiled_calls == 0
+        mode("compiled")  # the setting that wants to know: the failure is raised
+        monkeypatch.setattr(fused_module, "_broken", {})
+        with pytest.raises(Exception, match="InvalidCxxCompiler"):
+            FusedKernel(lambda x: (x * 5).sum(0))(x)
+    assert torch._inductor.config.fx_graph_cache and torch._inductor.config.cpp.cxx != ("/nonexistent/c++",)
 
 
 def test_the_mode_is_validated_where_it_enters(monkeypatch: pytest.MonkeyPatch, mode: object) -> None:

@@ -151,3 +151,24 @@ def test_error_feedback_takes_the_signs_encoded_slice_by_slice_with_the_dense_re
     assert torch.equal(
         torch.cat([s.add_to_(q.clone(), alpha=-1) for s, q in zip(slices, parts, strict=True)]), p - dense
     )
+
+
+def test_error_feedback_takes_the_finiteness_of_a_scaled_sign_from_its_scale_without_reading_the_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_gradcomp.core.memory as memory_module
+
+    reads = []
+    monkeypatch.setattr(memory_module, "all_finite", lambda x: reads.append(x.numel()) or bool(x.isfinite().all()))
+    compressor, memory = ScaledSignCompressor(), ErrorFeedback()
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    parts = compressor.compress(x).entries().split([400, 600])
+    memory.update("a", x[:400].clone(), parts[0], None)
+    assert torch.equal(memory.residual("a"), x[:400] - compressor.decompress(compressor.compress(x))[:400])
+    poisoned = x.clone()
+    poisoned[700] = float("nan")  # in the other parameter of the unit: the shared scale is NaN
+    before = memory.residual("a").clone()
+    bad = compressor.compress(poisoned).entries().split([400, 600])
+    assert not bad[0].all_finite()
+    memory.update("a", poisoned[:400].clone(), bad[0], None)
+    assert torch.equal(memory.residual("a"), before) and reads == []  # kept, and never re-read

@@ -85,10 +85,11 @@ def timed(
 
 def measure(name: str, n: int, device: torch.device, repeats: int, generator: bool = False) -> dict:
     """One codec's times on a bucket of ``n`` elements: encode (compensation, compression, the bytes that travel,
-    the residual's update) and decode (those bytes back to a dense tensor). The bucket is refilled outside the time."""
+    the residual's update) and decode (those bytes averaged into a kept dense tensor, as the allgather aggregator
+    averages: the fused mean where the codec has one). The bucket is refilled outside the time."""
     compressor, memory = CODECS[name]()
     grad = torch.randn(n, device=device)
-    work = torch.empty_like(grad)
+    work, mean = torch.empty_like(grad), torch.empty_like(grad)
     shape = torch.Size([n])
     steps = iter(range(10**9))
     sent: list[torch.Tensor] = []
@@ -102,8 +103,8 @@ def measure(name: str, n: int, device: torch.device, repeats: int, generator: bo
         if not isinstance(memory, NoMemory):
             memory.settle_("unit", compensated, local_part(compressor, payload), n)
 
-    def decode() -> None:
-        compressor.decompress(compressor.unpack(sent[0], shape, grad.dtype))
+    def decode() -> None:  # as the allgather aggregator averages (one rank's payload), into a kept tensor
+        compressor.average_all([compressor.unpack(sent[0], shape, grad.dtype)], mean, 1)
 
     def refill() -> None:
         work.copy_(grad)

@@ -36,7 +36,9 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors import Entries, SparseEntries, all_finite
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, chunk_for
+from lightning_gradcomp.core.compressors.kernels import shift_and_estimate_
 from lightning_gradcomp.core.compressors.sparse import dense_of
+from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice, check_number
 
 Sent = Tensor | Entries
@@ -196,7 +198,8 @@ class ErrorFeedback(Memory):
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
         """``residual = compensated - sent`` (``mean`` is not read: the hook settles this before it decodes the mean
         over ``compensated``)."""
-        if not all_finite(compensated):
+        vouched = not isinstance(sent, Tensor) and sent.vouches_finite
+        if not (sent.all_finite() if vouched else all_finite(compensated)):  # type: ignore[union-attr]
             return  # a NaN/Inf that was never sent must not sit in the residual forever
         residual = self._residuals.get(name)
         if self.momentum:
@@ -208,11 +211,10 @@ class ErrorFeedback(Memory):
                 torch.sub(compensated, residual, out=velocity)  # one pass
         if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
             residual = self._residuals[name] = torch.empty_like(compensated)  # allocated once
-        residual.copy_(compensated)
         if isinstance(sent, Tensor):
-            residual.sub_(sent)
-        else:
-            sent.add_to_(residual, alpha=-1)  # sparse: k entries, acc - acc, exactly 0; ternary: one fused pass
+            torch.sub(compensated, sent, out=residual)
+        else:  # sparse: a copy and k entries, acc - acc, exactly 0; scaled signs: one fused pass where compiled
+            sent.subtract_from(compensated, out=residual)
         if self.momentum:
             _zero_where_sent(self._velocities[name], sent)
 
@@ -333,8 +335,9 @@ class Diana(Memory):
             self._step(self._local, name, sent, alpha, like=compensated)
 
     def conclude_(self, name: str, mean: Tensor, out: Tensor, unit_numel: int, update: bool) -> None:
-        """``out = h + mean`` and, when ``update``, ``h += alpha * mean``, in one pass of cache-sized chunks so that
-        ``out`` may be ``mean`` itself (DDP's bucket) without a model-sized temporary."""
+        """``out = h + mean`` and, when ``update``, ``h += alpha * mean``, in one pass: one compiled kernel in place
+        where kernels run compiled and ``out`` is ``mean`` itself (DDP's bucket), else cache-sized chunks, so that
+        ``out`` may be ``mean`` without a model-sized temporary."""
         shift = self._global.get(name)
         if shift is None:
             if out.data_ptr() != mean.data_ptr():
@@ -343,6 +346,9 @@ class Diana(Memory):
                 self._step(self._global, name, mean, self.alpha_for(unit_numel), like=mean)
             return
         alpha = self.alpha_for(unit_numel)
+        if update and out.data_ptr() == mean.data_ptr() and mean.dtype == torch.float32 and compiles_on(mean.device):
+            shift_and_estimate_(mean, shift, torch.full((), alpha, dtype=mean.dtype, device=mean.device))
+            return
         span = chunk_for(out.device, STREAM_CHUNK)
         estimate = torch.empty(min(mean.numel(), span), dtype=out.dtype, device=out.device)
         for start in range(0, mean.numel(), span):

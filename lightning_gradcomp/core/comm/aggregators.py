@@ -39,13 +39,13 @@ class Contribution:
     out: Callable[[], Tensor] | None = None
     scratch: Scratch | None = None
 
-    def decode_target(self, out: Tensor | None = None) -> Tensor:
-        """Where the decoded payloads are summed, zeroed: ``out`` when the caller names one (DDP's bucket), else
-        ``out()``, else a fresh tensor."""
+    def decode_target(self, out: Tensor | None = None, zero: bool = True) -> Tensor:
+        """Where the decoded payloads are summed, zeroed unless ``zero`` is false (a target written over whole):
+        ``out`` when the caller names one (DDP's bucket), else ``out()``, else a fresh tensor."""
+        if out is None and self.out is not None:
+            out = self.out()
         if out is not None:
-            return out.zero_()
-        if self.out is not None:
-            return self.out().zero_()
+            return out.zero_() if zero else out
         payload = self.payload
         return torch.zeros(payload.numel, dtype=payload.dtype, device=payload.device)
 
@@ -307,7 +307,7 @@ class AllgatherAggregator(Aggregator):
 
     def average(self, c: Contribution, payloads: list[Payload], world: int, out: Tensor | None) -> Tensor:
         """The mean of every rank's decoded payload (in rank order), written into ``out`` (or the default target)."""
-        return c.codec.accumulate_all(payloads, c.decode_target(out)).div_(world)
+        return c.codec.average_all(payloads, c.decode_target(out, zero=False), world)
 
 
 class ChoosersAggregator(AllgatherAggregator):

@@ -79,11 +79,26 @@ class Entries(Protocol):
     def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
         """``out += alpha * self`` in place (flat ``out`` of ``numel`` elements); returns ``out``."""
 
+    def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
+        """``out = compensated - self`` (flat, ``numel`` elements): error feedback's residual, in as few passes as
+        the form allows (:func:`subtract_by_adding` where it has no single pass of its own); returns ``out``."""
+
     def all_finite(self) -> bool:
         """Whether every decoded element is finite."""
 
     def split(self, numels: Sequence[int]) -> list[Entries]:
         """The consecutive slices of ``numels`` elements (one per parameter of a unit)."""
+
+    @property
+    def vouches_finite(self) -> bool:
+        """Whether :meth:`all_finite` also tells that the whole tensor compressed was finite (its scale summed every
+        element), so that error feedback need not read that tensor again to know it."""
+
+
+def subtract_by_adding(entries: Entries, compensated: Tensor, out: Tensor) -> Tensor:
+    """``out = compensated - entries`` as a copy and :meth:`Entries.add_to_` with ``alpha = -1``: two passes, the
+    second over ``k`` entries only for a sparse form."""
+    return entries.add_to_(out.copy_(compensated), alpha=-1)
 
 
 class Payload(ABC):
@@ -202,6 +217,12 @@ class Compressor(ABC):
         for payload in payloads:
             self.accumulate(payload, out)
         return out
+
+    def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
+        """The mean of every rank's decoded payload (in rank order), written over the flat ``out`` (its contents are
+        not read): how the allgather aggregator averages. Default: ``out`` zeroed, :meth:`accumulate_all`, divided
+        by ``world``; a compressor may fuse the three into one pass (QSGD's levels, scaled signs)."""
+        return self.accumulate_all(payloads, out.zero_()).div_(world)
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int | None:
         """Wire size of any payload for this input, when it depends on nothing else; else ``None``.

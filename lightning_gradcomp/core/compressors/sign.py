@@ -28,9 +28,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload, chunk_for
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload, chunk_for, subtract_by_adding
 from lightning_gradcomp.core.compressors.draws import Draws
-from lightning_gradcomp.core.compressors.kernels import encode_signs
+from lightning_gradcomp.core.compressors.kernels import encode_signs, mean_of_signs_, subtract_signs_
 from lightning_gradcomp.core.compressors.ternary import LITTLE_ENDIAN
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
@@ -84,7 +84,9 @@ def l1_norm(flat: Tensor) -> Tensor:
 
 def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, first: int = 0) -> Tensor:
     """``out += scale * sign`` for the ``out.numel()`` signs of ``packed`` from sign number ``first`` on, decoded
-    chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would)."""
+    chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would). A compiled
+    kernel of this one addition was measured no faster than these chunks on the CPU; the mean of several payloads
+    is fused (:meth:`ScaledSignCompressor.average_all`)."""
     span = chunk_for(out.device, STREAM_CHUNK)
     for start in range(0, out.numel(), span):
         target = out[start : start + span]
@@ -156,6 +158,24 @@ class SignEntries:
         """``out += alpha * scale * sign``: for ``alpha = -1`` the residual ``p - C(p)``, one rounding per element."""
         return add_signs_(out, self.bits, self.scale.to(out.dtype) * alpha, self.first)
 
+    #: the scale is ``||x||_1 / d`` (or ``||x||_2 / sqrt(d)``) of the whole unit: finite only where every element is
+    vouches_finite = True
+
+    def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
+        """``out = compensated - scale * sign``, EF-SignSGD's residual (Karimireddy et al., 2019, Algorithm 1): whole
+        bytes of fp32 in one compiled pass where kernels run compiled (the eager copy-then-add roundings: ``scale *
+        +-1`` is exact), the rest as a copy and :meth:`add_to_`."""
+        done = out.numel() // 8 * 8 if out.dtype == torch.float32 and not self.first % 8 else 0
+        if done and compiles_on(out.device):
+            table = _sign_table(out.dtype, out.device)
+            bits = self.bits[self.first // 8 : (self.first + done) // 8]
+            subtract_signs_(out[:done], compensated[:done], bits, self.scale.to(out.dtype), table)
+            if done < out.numel():
+                tail = SignEntries(self.bits, self.scale, self.first + done, out.numel() - done, self.dtype)
+                subtract_by_adding(tail, compensated[done:], out[done:])
+            return out
+        return subtract_by_adding(self, compensated, out)
+
     def all_finite(self) -> bool:
         return math.isfinite(float(self.scale))
 
@@ -213,6 +233,25 @@ class ScaledSignCompressor(Compressor):
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         assert isinstance(payload, SignPayload)
         return payload.add_to_(out)
+
+    def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
+        """The mean of the ranks' scaled signs: whole bytes in one compiled pass where kernels run compiled (summed
+        in rank order, then divided: the eager roundings), the rest as :meth:`accumulate_all` then a division."""
+        signs = [p for p in payloads if isinstance(p, SignPayload)]
+        if len(signs) < len(payloads) or not signs:
+            return super().average_all(payloads, out, world)
+        # whole bytes of fp32 signs where kernels run compiled
+        done = out.numel() // 8 * 8 if out.dtype == torch.float32 and compiles_on(out.device) else 0
+        if done:
+            scales = [p.scale.to(out.dtype) for p in signs]
+            table = _sign_table(out.dtype, out.device)
+            mean_of_signs_(out[:done], [p.bits[: done // 8] for p in signs], scales, table)
+        if done < out.numel():
+            rest = out[done:].zero_()
+            for payload in signs:
+                add_signs_(rest, payload.bits, payload.scale.to(out.dtype), first=done)
+            rest.div_(world)
+        return out
 
     def preferred_aggregator(self, world_size: int) -> str:
         """``"allgather"``: scales differ per rank, so there is no integer form to allreduce."""

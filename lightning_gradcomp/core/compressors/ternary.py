@@ -24,10 +24,10 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite, chunk_for
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite, chunk_for, subtract_by_adding
 from lightning_gradcomp.core.compressors.blocks import sparse_nonzero
 from lightning_gradcomp.core.compressors.draws import Draws, random_bytes, uniform
-from lightning_gradcomp.core.compressors.kernels import draw_codes, draw_packed_codes
+from lightning_gradcomp.core.compressors.kernels import add_fields_, draw_codes, draw_packed_codes, mean_of_fields_
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.randomness import CounterStream
@@ -196,6 +196,44 @@ class CodePacking:
 
 #: Ternary codes at 2 bits each (:func:`pack_2bit`).
 TERNARY_PACKING = CodePacking(CODES_PER_BYTE, lambda codes, out: pack_2bit(codes, out=out), bias=1, pad=1)
+
+
+def fused_blocks(out: Tensor, packed: Tensor | None, start: int, block_size: int, per_byte: int) -> int:
+    """How many leading elements of the flat ``out`` (codes ``start`` on) a compiled kernel decodes in one pass: its
+    whole blocks, where kernels run compiled, ``out`` is float32, the codes are packed and whole blocks start on whole
+    bytes; else 0 (the eager chunks decode the rest)."""
+    if packed is None or out.dtype != torch.float32 or start % block_size or block_size % per_byte:
+        return 0
+    return out.numel() // block_size * block_size if compiles_on(out.device) else 0
+
+
+def add_blocks_fused_(
+    out: Tensor, packed: Tensor, scales: Tensor, alpha: float, start: int, block_size: int, packing: CodePacking
+) -> int:
+    """``out += alpha * decoded`` over :func:`fused_blocks` of ``out`` in one compiled pass (fp32 scales); returns how
+    many elements that took (the caller decodes the rest)."""
+    done = fused_blocks(out, packed, start, block_size, packing.per_byte) if scales.dtype == torch.float32 else 0
+    if done:
+        per_byte, first = packing.per_byte, start // block_size
+        codes = packed[start // per_byte : (start + done) // per_byte]
+        step = torch.full((), alpha, dtype=torch.float32, device=out.device)
+        blocks = scales[first : first + done // block_size]
+        add_fields_(out[:done], codes, blocks, step, block_size, per_byte, packing.bias)
+    return done
+
+
+def mean_of_blocks_fused_(
+    out: Tensor, packs: Sequence[Tensor | None], scales: Sequence[Tensor], block_size: int, packing: CodePacking
+) -> int:
+    """``out`` becomes the mean of the ranks' decoded codes over :func:`fused_blocks` of it, in one compiled pass
+    (summed in rank order, then divided: the eager roundings); returns how many elements that took."""
+    done = min(fused_blocks(out, codes, 0, block_size, packing.per_byte) for codes in packs)
+    if done and all(s.dtype == torch.float32 for s in scales):
+        nbytes, blocks = done // packing.per_byte, done // block_size
+        codes = [c[:nbytes] for c in packs if c is not None]
+        mean_of_fields_(out[:done], codes, [s[:blocks] for s in scales], block_size, packing.per_byte, packing.bias)
+        return done
+    return 0
 
 
 def own_wire(
@@ -543,7 +581,8 @@ class TernaryPayload(PackedCodes, Payload):
     def add_to_(self, out: Tensor, alpha: float = 1.0, start: int = 0) -> Tensor:
         """``out += alpha * codes * scale`` for elements ``[start, start + len(out))`` (flat ``out``).
 
-        Each ``codes * scale`` is exact (codes are 0 or +-1). In ``out``'s own dtype when that is
+        Each ``codes * scale`` is exact (codes are 0 or +-1). Where kernels run compiled, whole blocks of fp32 take one
+        fused pass (:func:`add_blocks_fused_`). Else, in ``out``'s own dtype when that is
         the working precision (fp32, fp64): the codes go through a cache-sized float scratch (an
         int8 operand would send ``addcmul_`` down a casting path four times slower), then one fused
         ``addcmul_`` per run of whole blocks. Otherwise (fp16, bf16) the decoded slice is rounded
@@ -554,10 +593,13 @@ class TernaryPayload(PackedCodes, Payload):
         if out.dtype != work:
             return out.add_(self.decode_range(start, numel), alpha=alpha)
         scales = self.scales.to(work)
+        done = add_blocks_fused_(out, self.packed, scales, alpha, start, size, TERNARY_PACKING)
+        if done == numel:
+            return out
         limit = chunk_for(out.device, ENCODE_CHUNK)
         chunk = size * max(1, limit // size) if size <= limit else limit
-        scratch = torch.empty(min(chunk, numel), dtype=work, device=out.device)
-        for offset in range(0, numel, chunk):
+        scratch = torch.empty(min(chunk, numel - done), dtype=work, device=out.device)
+        for offset in range(done, numel, chunk):
             n = min(chunk, numel - offset)
             codes = scratch[:n].copy_(self.code_range(start + offset, n))
             _add_scaled_(out[offset : offset + n], codes, scales, size, start + offset, alpha)
@@ -605,6 +647,12 @@ class TernarySlice:
 
     def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
         return self.payload.add_to_(out, alpha, self.start)
+
+    #: not claimed for per-block scales: error feedback reads the tensor itself
+    vouches_finite = False
+
+    def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
+        return subtract_by_adding(self, compensated, out)
 
     def to_dense(self) -> Tensor:
         return self.payload.decode_range(self.start, self.numel)

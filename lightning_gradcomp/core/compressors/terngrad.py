@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Payload, chunk_for
 from lightning_gradcomp.core.compressors.draws import Draws
-from lightning_gradcomp.core.compressors.kernels import clipped_scale
+from lightning_gradcomp.core.compressors.kernels import clipped_scale, mean_of_summed_fields_
 from lightning_gradcomp.core.compressors.ternary import (
     ENCODE_CHUNK,
     TERNARY_PACKING,
@@ -33,11 +33,16 @@ from lightning_gradcomp.core.compressors.ternary import (
     stochastic_ternary,
     working_dtype,
 )
+from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_bool, check_number
 from lightning_gradcomp.core.workspace import Scratch
 
 #: Largest world size whose code sums fit in int8; above it the summable form is int32 (gloo has no int16).
 INT8_WORLD_LIMIT = 127
+
+
+#: Codes per row of the compiled mean of summed codes (a multiple of four, the codes per byte).
+SUMMED_ROW = 512
 
 
 def _summed_codes(payloads: Sequence[Payload], start: int, count: int) -> Tensor:
@@ -183,6 +188,24 @@ class TernGradCompressor(Compressor):
             n = min(span, out.numel() - start)
             total = values[:n].copy_(_summed_codes(payloads, start, n))
             out[start : start + n].addcmul_(total, scale)
+        return out
+
+    def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
+        """The mean under one shared scaler: whole rows of :data:`SUMMED_ROW` codes in one compiled pass where
+        kernels run compiled (the codes summed as integers, scaled once, divided: :meth:`accumulate_all`'s
+        roundings), the rest eagerly; per-rank scalers as :meth:`accumulate_all` then a division."""
+        first = payloads[0]
+        assert isinstance(first, TernaryPayload)
+        packed = [p.packed for p in payloads if isinstance(p, TernaryPayload) and p.packed is not None]
+        done = out.numel() // SUMMED_ROW * SUMMED_ROW
+        fusable = done and len(packed) == len(payloads) and out.dtype == torch.float32 and compiles_on(out.device)
+        if not fusable or not all(torch.equal(p.scales, first.scales) for p in payloads[1:]):  # type: ignore[attr-defined]
+            return super().average_all(payloads, out, world)
+        scale, per_byte = first.scales[0].to(torch.float32), TERNARY_PACKING.per_byte
+        codes = [c[: done // per_byte] for c in packed]
+        mean_of_summed_fields_(out[:done], codes, scale, SUMMED_ROW, per_byte, TERNARY_PACKING.bias)
+        if done < out.numel():
+            out[done:].copy_(_summed_codes(payloads, done, out.numel() - done)).mul_(scale).div_(world)
         return out
 
     @property

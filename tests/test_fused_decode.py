@@ -1,0 +1,222 @@
+"""The compiled decodes (a mean of the ranks' payloads, a payload added into a state, DIANA's shift step) against the
+eager chunks they replace: equal where the operations are the same, within one rounding where eager torch fuses a
+multiply-add that the compiled kernel rounds twice."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from test_fused import _Net
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_gradcomp.core.fused as fused_module
+from lightning_gradcomp import gradcomp_comm_hook, make_hook
+from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, TernGradCompressor
+from lightning_gradcomp.core.compressors.kernels import (
+    add_fields_,
+    mean_of_fields_,
+    mean_of_signs_,
+    mean_of_summed_fields_,
+    shift_and_estimate_,
+    subtract_signs_,
+)
+from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
+from lightning_gradcomp.core.fused import set_codec_mode
+from lightning_gradcomp.core.host_waits import host_waits
+from lightning_gradcomp.core.memory import Diana
+from lightning_gradcomp.core.randomness import CounterStream
+
+#: 37 whole blocks of 512 and a partial one: the compiled kernel takes the blocks, the eager chunks the tail.
+NUMEL = 37 * 512 + 101
+U = torch.finfo(torch.float32).eps / 2  # fp32's unit roundoff
+
+
+@pytest.fixture
+def mode() -> object:
+    yield set_codec_mode
+    fused_module._mode = None
+
+
+def _payloads(compressor: object, ranks: int, numel: int = NUMEL) -> list[object]:
+    """What an allgather holds: this rank's payload as compressed, the others' parsed from their wire bytes."""
+    payloads = []
+    for rank in range(ranks):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+        payload = compressor.compress(x, CounterStream(100 + rank))
+        payloads.append(payload if rank == 0 else compressor.unpack(payload.to_bytes().clone(), x.shape, x.dtype))
+    return payloads
+
+
+def _both(mode: object, run: object) -> tuple[torch.Tensor, torch.Tensor]:
+    mode("compiled")
+    compiled = run()
+    mode("eager")
+    return compiled, run()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_compiled_mean_of_qsgd_levels_is_the_eager_zero_add_divide_bit_for_bit(mode: object, ranks: int) -> None:
+    compressor = QSGDCompressor(levels=7)
+    payloads = _payloads(compressor, ranks)
+    calls = mean_of_fields_.compiled_calls
+    compiled, eager = _both(mode, lambda: compressor.average_all(payloads, torch.full((NUMEL,), 9.0), ranks))
+    assert mean_of_fields_.compiled_calls == calls + 1
+    reference = torch.zeros(NUMEL)
+    for payload in payloads:
+        reference += payload.dense()
+    assert torch.equal(compiled, eager) and torch.equal(eager, reference / ranks)
+
+
+def test_the_compiled_mean_of_scaled_signs_is_the_eager_one_bit_for_bit(mode: object) -> None:
+    compressor = ScaledSignCompressor()
+    numel = 8 * 999 + 5  # a partial last byte, decoded eagerly
+    mode("eager")
+    payloads = _payloads(compressor, 3, numel)
+    calls = mean_of_signs_.compiled_calls
+    compiled, eager = _both(mode, lambda: compressor.average_all(payloads, torch.full((numel,), 9.0), 3))
+    assert mean_of_signs_.compiled_calls == calls + 1
+    reference = sum(compressor.decompress(p) for p in payloads) / 3
+    assert torch.equal(compiled, eager) and torch.equal(eager, reference)
+
+
+@pytest.mark.parametrize(
+    "compressor", [QSGDCompressor(levels=7), BlockQuantizer(p=2, block_size=512)], ids=["qsgd-4bit", "ternary"]
+)
+def test_a_compiled_payload_added_into_a_state_is_the_eager_chunks_within_one_rounding(
+    mode: object, compressor: object
+) -> None:
+    (payload,) = _payloads(compressor, 1)
+    base = torch.randn(NUMEL, generator=torch.Generator().manual_seed(7))
+    dense = compressor.decompress(payload)
+    calls = add_fields_.compiled_calls
+    compiled, eager = _both(mode, lambda: payload.entries().add_to_(base.clone()))
+    assert torch.equal(compiled, eager)  # alpha = 1: x + code * scale, one rounding either way
+    compiled, eager = _both(mode, lambda: payload.entries().add_to_(base.clone(), alpha=0.3))
+    # eager torch adds alpha * v with one fused multiply-add, the kernel rounds alpha * v first: one rounding apart
+    bound = 2 * U * ((0.3 * dense).abs() + eager.abs())
+    assert bool(((compiled - eager).abs() <= bound).all()) and not torch.equal(compiled, base)
+    # a parameter's slice that starts on a block edge runs compiled; one that does not, eagerly (same result)
+    pieces = payload.entries().split([512, 4096, NUMEL - 4608])
+    assert torch.equal(pieces[1].add_to_(base[512:4608].clone()), base[512:4608] + dense[512:4608])
+    assert add_fields_.compiled_calls == calls + 2
+
+
+def test_dianas_compiled_shift_step_writes_the_estimate_exactly_and_the_shift_within_one_rounding(
+    mode: object,
+) -> None:
+    mean = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
+    shift = torch.randn(NUMEL, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for codecs in ("compiled", "eager"):
+        mode(codecs)
+        memory = Diana(alpha=0.3)
+        memory.load_state_dict({"h/w": shift})
+        out = mean.clone()
+        memory.conclude_("w", out, out, NUMEL, update=True)
+        results[codecs] = (out, memory.shifts("w")[1])
+    (estimate, moved), (eager_estimate, eager_moved) = results["compiled"], results["eager"]
+    assert torch.equal(estimate, eager_estimate) and torch.equal(estimate, shift + mean)
+    assert bool(((moved - eager_moved).abs() <= 2 * U * ((0.3 * mean).abs() + eager_moved.abs())).all())
+    assert shift_and_estimate_.compiled_calls >= 1
+
+
+def _train(group: dist.ProcessGroup, preset: str, codecs: str) -> dict:
+    set_codec_mode(codecs)
+    kernels = (mean_of_fields_, add_fields_, shift_and_estimate_, mean_of_signs_)
+    before = [k.compiled_calls for k in kernels]
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DistributedDataParallel(model, process_group=group)
+    hook = make_hook(ddp, preset, warmup_steps=0, min_compress_numel=100)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank(group)
+    x, y = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank)), torch.randint(0, 4, (32,))
+    for _ in range(4):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "calls": [k.compiled_calls - b for k, b in zip(kernels, before, strict=True)],
+    }
+
+
+def _compiled_and_eager(rank: int, world_size: int) -> dict:
+    group = dist.new_group(backend="gloo")
+    return {
+        preset: {codecs: _train(group, preset, codecs) for codecs in ("compiled", "eager")}
+        for preset in ("ddp_diana", "ddp_efsign")
+    }
+
+
+def test_two_ranks_train_diana_and_ef_sign_through_the_compiled_decodes_as_eagerly() -> None:
+    results = run_ranks(_compiled_and_eager, 2, timeout=900)
+    for rank, result in enumerate(results):
+        diana, sign = result["ddp_diana"], result["ddp_efsign"]
+        # every compressed step of the hidden layer: the mean, this rank's h_i step and DIANA's h step, compiled
+        assert diana["compiled"]["calls"][:3] >= [4, 4, 4] and diana["eager"]["calls"] == [0, 0, 0, 0], rank
+        assert sign["compiled"]["calls"][3] >= 4 and sign["eager"]["calls"] == [0, 0, 0, 0], rank
+        # EF-sign's compiled magnitude sums in another order, DIANA's shift steps round alpha * v apart: a few
+        # roundings per step, far below the step itself
+        for preset in (diana, sign):
+            for a, b in zip(preset["compiled"]["weights"], preset["eager"]["weights"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for preset in ("ddp_diana", "ddp_efsign"):
+        first, second = (r[preset]["compiled"]["weights"] for r in results)
+        for a, b in zip(first, second, strict=True):
+            assert torch.equal(a, b), preset  # the ranks agree
+
+
+def test_the_compiled_mean_of_terngrad_codes_under_a_shared_scaler_is_the_eager_integer_sum_bit_for_bit(
+    mode: object,
+) -> None:
+    compressor = TernGradCompressor()
+    shared = torch.tensor(4.0)  # the MAX over ranks the hook would pass
+    payloads = []
+    for rank in range(3):
+        x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(rank))
+        payload = compressor.compress(x, CounterStream(rank), scale=shared, local_scale=compressor.local_scale(x))
+        payloads.append(payload if rank == 0 else compressor.unpack(payload.to_bytes().clone(), x.shape, x.dtype))
+    calls = mean_of_summed_fields_.compiled_calls
+    compiled, eager = _both(mode, lambda: compressor.average_all(payloads, torch.full((NUMEL,), 9.0), 3))
+    assert mean_of_summed_fields_.compiled_calls == calls + 1
+    codes = sum(p.codes.to(torch.int32) for p in payloads)
+    assert torch.equal(compiled, eager) and torch.equal(eager, codes.float() * 4.0 / 3)
+
+
+@pytest.mark.parametrize("first", [0, 8, 3])  # a parameter starting on a byte edge, or inside a byte (eager)
+def test_ef_signs_compiled_residual_is_the_eager_copy_then_add_bit_for_bit(mode: object, first: int) -> None:
+    compressor = ScaledSignCompressor()
+    numel = 8 * 999 + 5
+    compensated = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    mode("eager")
+    payload = compressor.compress(torch.randn(numel + first, generator=torch.Generator().manual_seed(4)))
+    _, entries = payload.entries().split([first, numel]) if first else (None, payload.entries())
+    calls = subtract_signs_.compiled_calls
+    compiled, eager = _both(mode, lambda: entries.subtract_from(compensated, torch.full((numel,), 9.0)))
+    assert subtract_signs_.compiled_calls == calls + (first % 8 == 0)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(eager, compensated - compressor.decompress(payload)[first:])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_compiled_means_on_cuda_are_the_cpus_and_never_wait_for_the_host(mode: object) -> None:
+    cuda = torch.device("cuda")
+    mode("eager")
+    for compressor in (QSGDCompressor(levels=7), ScaledSignCompressor()):
+        payloads = _payloads(compressor, 2)
+        expected = compressor.average_all(payloads, torch.empty(NUMEL), 2)
+        mode("compiled")
+        on_device = [compressor.unpack(p.to_bytes().to(cuda), p.shape, p.dtype) for p in payloads]
+        out = torch.empty(NUMEL, device=cuda)
+        compressor.average_all(on_device, out, 2)  # compile first: compiling may wait
+        assert host_waits(partial(compressor.average_all, on_device, out, 2), cuda) == 0
+        assert torch.equal(out.cpu(), expected)
+        mode("eager")
