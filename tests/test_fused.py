@@ -111,6 +111,7 @@ def test_new_keys_and_new_values_reuse_the_compiled_kernels(mode: object) -> Non
 def test_without_a_compiler_kernels_warn_once_and_run_eagerly(mode: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_module, "_broken", {})
     # inductor's own patching restores its settings (monkeypatching its config module deleted a hidden one)
+    settings = (torch._inductor.config.fx_graph_cache, torch._inductor.config.cpp.cxx)
     with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
         mode("auto")
         kernel = FusedKernel(lambda x: (x * 3).sum(0))  # a fresh function: nothing of it is cached
@@ -127,7 +128,7 @@ def test_without_a_compiler_kernels_warn_once_and_run_eagerly(mode: object, monk
         monkeypatch.setattr(fused_module, "_broken", {})
         with pytest.raises(Exception, match="InvalidCxxCompiler"):
             FusedKernel(lambda x: (x * 5).sum(0))(x)
-    assert torch._inductor.config.fx_graph_cache and torch._inductor.config.cpp.cxx != ("/nonexistent/c++",)
+    assert (torch._inductor.config.fx_graph_cache, torch._inductor.config.cpp.cxx) == settings
 
 
 def test_the_mode_is_validated_where_it_enters(monkeypatch: pytest.MonkeyPatch, mode: object) -> None:
@@ -217,3 +218,23 @@ def test_kernels_on_cuda_are_the_cpus_and_never_wait_for_the_host(mode: object) 
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(packed.cpu(), expected)
     assert torch.equal(bits.cpu(), encode_signs.eager(x, False)[1])
+
+
+def test_sizes_past_the_recompile_limit_run_eagerly_with_one_warning(
+    mode: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fused_module, "RECOMPILE_LIMIT", 2)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        mode("auto")
+        kernel = FusedKernel(lambda x: x * 7 + 1)  # a fresh function: its own specialisations
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = [kernel(torch.arange(float(n))) for n in (3, 4, 5, 6)]
+        ours = [w for w in caught if "more than 2 tensor sizes" in str(w.message)]
+        assert len(ours) == 1 and kernel.compiled_calls == 2  # two sizes compiled, the next two eager
+        for n, result in zip((3, 4, 5, 6), results, strict=True):
+            assert torch.equal(result, torch.arange(float(n)) * 7 + 1)
+        assert torch.equal(kernel(torch.arange(3.0)), torch.arange(3.0) * 7 + 1) and kernel.compiled_calls == 3
+        mode("compiled")  # the setting that wants to know: the limit is raised
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            kernel(torch.arange(7.0))

@@ -1,6 +1,6 @@
 """The compiled decodes (a mean of the ranks' payloads, a payload added into a state, DIANA's shift step) against the
-eager chunks they replace: equal where the operations are the same, within one rounding where eager torch fuses a
-multiply-add that the compiled kernel rounds twice."""
+eager chunks they replace: equal on the CPU where the operations are the same, within one rounding where eager torch
+fuses a multiply-add that the compiled kernel rounds twice; on CUDA within a few roundings."""
 
 from __future__ import annotations
 
@@ -100,10 +100,15 @@ def test_a_compiled_payload_added_into_a_state_is_the_eager_chunks_within_one_ro
     # eager torch adds alpha * v with one fused multiply-add, the kernel rounds alpha * v first: one rounding apart
     bound = 2 * U * ((0.3 * dense).abs() + eager.abs())
     assert bool(((compiled - eager).abs() <= bound).all()) and not torch.equal(compiled, base)
-    # a parameter's slice that starts on a block edge runs compiled; one that does not, eagerly (same result)
-    pieces = payload.entries().split([512, 4096, NUMEL - 4608])
-    assert torch.equal(pieces[1].add_to_(base[512:4608].clone()), base[512:4608] + dense[512:4608])
     assert add_fields_.compiled_calls == calls + 2
+    # a parameter's slice that starts on a block edge runs compiled; one that does not, eagerly (the same sums)
+    mode("compiled")
+    aligned = payload.entries().split([512, 4096, NUMEL - 4608])[1]
+    assert torch.equal(aligned.add_to_(base[512:4608].clone()), base[512:4608] + dense[512:4608])
+    assert add_fields_.compiled_calls == calls + 3
+    shifted = payload.entries().split([7, 4096, NUMEL - 4103])[1]
+    assert torch.equal(shifted.add_to_(base[7:4103].clone()), base[7:4103] + dense[7:4103])
+    assert add_fields_.compiled_calls == calls + 3
 
 
 def test_dianas_compiled_shift_step_writes_the_estimate_exactly_and_the_shift_within_one_rounding(
@@ -127,7 +132,7 @@ def test_dianas_compiled_shift_step_writes_the_estimate_exactly_and_the_shift_wi
 
 def _train(group: dist.ProcessGroup, preset: str, codecs: str) -> dict:
     set_codec_mode(codecs)
-    kernels = (mean_of_fields_, add_fields_, shift_and_estimate_, mean_of_signs_)
+    kernels = (mean_of_fields_, add_fields_, shift_and_estimate_, mean_of_signs_, subtract_signs_)
     before = [k.compiled_calls for k in kernels]
     torch.manual_seed(0)
     model = _Net()
@@ -160,8 +165,8 @@ def test_two_ranks_train_diana_and_ef_sign_through_the_compiled_decodes_as_eager
     for rank, result in enumerate(results):
         diana, sign = result["ddp_diana"], result["ddp_efsign"]
         # every compressed step of the hidden layer: the mean, this rank's h_i step and DIANA's h step, compiled
-        assert diana["compiled"]["calls"][:3] >= [4, 4, 4] and diana["eager"]["calls"] == [0, 0, 0, 0], rank
-        assert sign["compiled"]["calls"][3] >= 4 and sign["eager"]["calls"] == [0, 0, 0, 0], rank
+        assert all(n >= 4 for n in diana["compiled"]["calls"][:3]) and not any(diana["eager"]["calls"]), rank
+        assert all(n >= 4 for n in sign["compiled"]["calls"][3:]) and not any(sign["eager"]["calls"]), rank
         # EF-sign's compiled magnitude sums in another order, DIANA's shift steps round alpha * v apart: a few
         # roundings per step, far below the step itself
         for preset in (diana, sign):
@@ -207,16 +212,19 @@ def test_ef_signs_compiled_residual_is_the_eager_copy_then_add_bit_for_bit(mode:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_compiled_means_on_cuda_are_the_cpus_and_never_wait_for_the_host(mode: object) -> None:
+def test_the_compiled_means_on_cuda_are_the_cpus_within_roundings_and_never_wait_for_the_host(mode: object) -> None:
     cuda = torch.device("cuda")
     mode("eager")
     for compressor in (QSGDCompressor(levels=7), ScaledSignCompressor()):
-        payloads = _payloads(compressor, 2)
-        expected = compressor.average_all(payloads, torch.empty(NUMEL), 2)
+        payloads = _payloads(compressor, 3)
+        expected = compressor.average_all(payloads, torch.empty(NUMEL), 3)
         mode("compiled")
         on_device = [compressor.unpack(p.to_bytes().to(cuda), p.shape, p.dtype) for p in payloads]
         out = torch.empty(NUMEL, device=cuda)
-        compressor.average_all(on_device, out, 2)  # compile first: compiling may wait
-        assert host_waits(partial(compressor.average_all, on_device, out, 2), cuda) == 0
-        assert torch.equal(out.cpu(), expected)
+        compressor.average_all(on_device, out, 3)  # compile first: compiling may wait
+        assert host_waits(partial(compressor.average_all, on_device, out, 3), cuda) == 0
+        # on CUDA, inductor divides by the constant 3 as a multiplication by its reciprocal and Triton may fuse a
+        # multiply-add: a few roundings, each at most u of the terms' magnitudes
+        magnitude = sum(compressor.decompress(p).abs() for p in payloads) / 3
+        assert bool(((out.cpu() - expected).abs() <= 4 * U * magnitude).all())
         mode("eager")

@@ -73,6 +73,7 @@ class FusedKernel:
         self.__name__ = function.__name__
         self.__doc__ = function.__doc__
         self._compiled: Callable[..., Any] | None = None
+        self._warned_limit = False
         self.compiled_calls = 0
 
     def eager(self, *args: Any) -> Any:
@@ -91,6 +92,19 @@ class FusedKernel:
         self.compiled_calls += 1
         return result
 
+    def _beyond_limit(self, *args: Any) -> Any:
+        """A call of a size past the kernel's :data:`RECOMPILE_LIMIT` specialisations (a model of many parameter sizes):
+        eager, the same result, with one warning per kernel; the sizes compiled so far stay compiled."""
+        if not self._warned_limit:
+            self._warned_limit = True
+            warnings.warn(
+                f"lightning_gradcomp: codec kernel {self.__name__} met more than {RECOMPILE_LIMIT} tensor sizes; "
+                "further sizes run eagerly (same results, more passes over memory)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return self.function(*args)
+
     def __call__(self, *args: Any) -> Any:
         device = next(a.device for a in args if isinstance(a, Tensor))
         if not compiles_on(device):
@@ -98,6 +112,8 @@ class FusedKernel:
         try:
             return self.compiled(*args)
         except Exception as error:  # a compiler's failure falls back; anything else is raised
+            if _is_recompile_limit(error) and codec_mode() != "compiled":
+                return self._beyond_limit(*args)
             if codec_mode() == "compiled" or not _is_compiler_failure(error):
                 raise
             _broken[device.type] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -109,6 +125,13 @@ class FusedKernel:
                 stacklevel=2,
             )
             return self.function(*args)
+
+
+def _is_recompile_limit(error: BaseException) -> bool:
+    """Whether ``error`` is dynamo's refusal to compile one more specialisation (``fullgraph`` raises it)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    return isinstance(error, FailOnRecompileLimitHit)
 
 
 def _is_compiler_failure(error: BaseException) -> bool:

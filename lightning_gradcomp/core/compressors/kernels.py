@@ -185,7 +185,9 @@ def mean_of_fields_(
     out: Tensor, packs: list[Tensor], scales: list[Tensor], block_size: int, per_byte: int, bias: int
 ) -> None:
     """``out`` (flat, whole blocks) becomes the mean of the ranks' decoded codes (:func:`field_values`), summed in
-    rank order then divided by their number: the eager zeroing, adding and dividing in one pass, the same roundings."""
+    rank order then divided by their number: the eager zeroing, adding and dividing in one pass, the same roundings
+    on the CPU (on CUDA, inductor divides by the constant as a product with its reciprocal, and Triton may fuse a
+    multiply-add: a few roundings apart)."""
     total = field_values(packs[0], scales[0], block_size, per_byte, bias)
     for rank in range(1, len(packs)):
         total = total + field_values(packs[rank], scales[rank], block_size, per_byte, bias)

@@ -188,9 +188,10 @@ class LevelsPayload(PackedCodes, Payload):
 
     def add_to_(self, out: Tensor, alpha: float = 1.0, first: int = 0) -> Tensor:
         """``out += alpha * decoded[first : first + out.numel()]``: whole blocks of fp32 in one compiled pass where
-        kernels run compiled (:func:`~.ternary.add_blocks_fused_`), the rest decoded chunk by chunk into a small
-        buffer: the same products and roundings as adding :meth:`dense` (cast to ``out``'s dtype), no tensor of the
-        model's size."""
+        kernels run compiled (:func:`~.ternary.add_blocks_fused_`; for ``alpha`` other than 1 it rounds ``alpha * v``
+        before adding, where eager torch fuses the two: one rounding apart), the rest decoded chunk by chunk into a
+        small buffer: the same products and roundings as adding :meth:`dense` (cast to ``out``'s dtype), no tensor of
+        the model's size."""
         work = working_dtype(self.dtype)
         scales = self.norms.to(work) / self.levels
         block, n = self.block, out.numel()

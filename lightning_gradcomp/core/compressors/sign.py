@@ -158,7 +158,8 @@ class SignEntries:
         """``out += alpha * scale * sign``: for ``alpha = -1`` the residual ``p - C(p)``, one rounding per element."""
         return add_signs_(out, self.bits, self.scale.to(out.dtype) * alpha, self.first)
 
-    #: the scale is ``||x||_1 / d`` (or ``||x||_2 / sqrt(d)``) of the whole unit: finite only where every element is
+    #: the scale is ``||x||_1 / d`` (or ``||x||_2 / sqrt(d)``) of the whole unit: non-finite wherever an element is (and
+    #: where a sum of finite elements overflows, which then skips the update as ``all_finite``'s own sum would)
     vouches_finite = True
 
     def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
@@ -236,7 +237,8 @@ class ScaledSignCompressor(Compressor):
 
     def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
         """The mean of the ranks' scaled signs: whole bytes in one compiled pass where kernels run compiled (summed
-        in rank order, then divided: the eager roundings), the rest as :meth:`accumulate_all` then a division."""
+        in rank order, then divided: the eager roundings on the CPU; on CUDA the division may be a product with the
+        reciprocal), the rest as :meth:`accumulate_all` then a division."""
         signs = [p for p in payloads if isinstance(p, SignPayload)]
         if len(signs) < len(payloads) or not signs:
             return super().average_all(payloads, out, world)

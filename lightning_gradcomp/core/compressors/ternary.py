@@ -226,7 +226,8 @@ def mean_of_blocks_fused_(
     out: Tensor, packs: Sequence[Tensor | None], scales: Sequence[Tensor], block_size: int, packing: CodePacking
 ) -> int:
     """``out`` becomes the mean of the ranks' decoded codes over :func:`fused_blocks` of it, in one compiled pass
-    (summed in rank order, then divided: the eager roundings); returns how many elements that took."""
+    (summed in rank order, then divided: the eager roundings on the CPU, a few roundings apart on CUDA); returns how
+    many elements that took."""
     done = min(fused_blocks(out, codes, 0, block_size, packing.per_byte) for codes in packs)
     if done and all(s.dtype == torch.float32 for s in scales):
         nbytes, blocks = done // packing.per_byte, done // block_size

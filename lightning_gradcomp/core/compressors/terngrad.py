@@ -168,7 +168,8 @@ class TernGradCompressor(Compressor):
         """Every rank's codes summed as integers, times the shared scaler, rounded once.
 
         Under one shared scaler ``S`` this is ``round(sum(codes) * S)``, the same arithmetic as
-        :meth:`from_sum` on the allreduced codes, so both aggregation paths give identical averages;
+        :meth:`from_sum` on the allreduced codes, so both aggregation paths give identical averages (compiled on
+        CUDA, :meth:`average_all` may divide as a product with the reciprocal: one rounding apart);
         it also costs one integer add per rank instead of a floating-point pass. With per-rank
         scalers each payload is added on its own.
         """
