@@ -238,3 +238,22 @@ def test_sizes_past_the_recompile_limit_run_eagerly_with_one_warning(
         mode("compiled")  # the setting that wants to know: the limit is raised
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             kernel(torch.arange(7.0))
+
+
+@pytest.mark.parametrize(
+    ("multipliers", "block_size", "per_byte", "bias", "fractional"),
+    [(torch.tensor([1e5]), 1, 4, 1, False), (torch.full((9,), 7000.0), 512, 2, 7, True)],
+    ids=["ternary-one-scale", "qsgd-blocks"],
+)
+def test_codes_drawn_a_byte_at_a_time_are_the_codes_drawn_then_packed(
+    multipliers: torch.Tensor, block_size: int, per_byte: int, bias: int, fractional: bool
+) -> None:
+    from lightning_gradcomp.core.compressors.kernels import pack_fields, stochastic_codes
+
+    x = _gradient(6)[: 8 * 512 + 3]  # a partial last block and byte
+    block = CounterStream(11).block(x.numel())
+    arguments = (x, multipliers, block, None, 0, block_size, fractional)
+    codes = stochastic_codes(*arguments)
+    expected = pack_fields((codes.to(torch.int32) + bias).to(torch.uint8), per_byte, bias)
+    drawn = draw_packed_codes.eager(*arguments, bias, per_byte, bias)
+    assert torch.equal(drawn, expected) and int((codes != 0).sum()) > x.numel() // 10

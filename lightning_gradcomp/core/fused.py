@@ -7,7 +7,8 @@ one or two passes with no temporaries. :func:`fused` wraps such a function: call
 :func:`codec_mode` says, with static shapes (one specialisation per tensor size; DDP has few).
 
 Where the compiler cannot run (no C++ compiler, no Triton), the first call warns once and the kernels run eagerly
-from then on; the result is the same function's. The eager function is the oracle the tests hold the compiled one
+from then on; the result is the same function's. A kernel that meets more tensor sizes than :data:`RECOMPILE_LIMIT`
+runs the further ones eagerly, with one warning. The eager function is the oracle the tests hold the compiled one
 to: integer outputs (codes, packed bytes, selections) equal, floats within the rounding of a reordered sum.
 
 The setting: :func:`set_codec_mode` or the environment variable ``GRADCOMP_CODECS``, one of

@@ -29,6 +29,7 @@ __all__ = [
     "UnitStreams",
     "counter_bits",
     "counter_uniform",
+    "hash_at",
     "hash_counters",
     "key_block",
     "stream_seed",
@@ -91,7 +92,13 @@ def hash_counters(block: Tensor, count: int) -> Tensor:
     Pure integer tensor math, so the same bits on every device, eager or compiled; the key travels as a tensor so
     that a compiled caller is not specialised on it (a new key every step would recompile).
     """
-    counters = torch.arange(count, dtype=torch.int32, device=block.device) + block[2]
+    return hash_at(block, torch.arange(count, dtype=torch.int32, device=block.device))
+
+
+def hash_at(block: Tensor, offsets: Tensor) -> Tensor:
+    """:func:`hash_counters`' bits at the int32 ``offsets`` (any shape) from ``block``'s first counter: the bits of
+    counter ``block[2] + offset``, for a kernel that draws its elements in another order than one after the other."""
+    counters = offsets + block[2]
     return _lowbias32(_lowbias32(counters ^ block[0]) ^ block[1])
 
 

@@ -8,11 +8,13 @@ stream's key and ``j`` (:func:`~lightning_gradcomp.core.randomness.hash_counters
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.fused import fused
-from lightning_gradcomp.core.randomness import hash_counters
+from lightning_gradcomp.core.randomness import hash_at, hash_counters
 
 __all__ = [
     "add_fields_",
@@ -89,6 +91,14 @@ def stochastic_codes(
         def scaled(values: Tensor) -> Tensor:
             return (values.view(-1, block_size) * column.to(values.dtype)).view(-1)
 
+    return _codes_of(g, scaled, hash_counters(block, n), cap, fractional)
+
+
+def _codes_of(
+    g: Tensor, scaled: Callable[[Tensor], Tensor], bits: Tensor, cap: Tensor | None, fractional: bool
+) -> Tensor:
+    """:func:`stochastic_codes`' decision for the elements ``g`` (any shape), each with its 32 random ``bits``;
+    ``scaled`` multiplies magnitudes by their multipliers."""
     if fractional:
         u = scaled(g.abs())
         if cap is not None:
@@ -102,7 +112,6 @@ def stochastic_codes(
         q = scaled(q)
     q = torch.clamp(q, max=_LEVELS)
     whole = torch.clamp(q, max=_LEVELS - 1).to(torch.int32)  # floor: q >= 0
-    bits = hash_counters(block, n)
     top = (bits >> 24) & 0xFF
     rest = (bits & 0xFFFFFF).to(torch.float32) * 2.0**-24
     keep = (top < whole) | ((top == whole) & (rest < q - whole.to(torch.float32)))
@@ -134,9 +143,45 @@ def draw_packed_codes(
     pad: int,
 ) -> Tensor:
     """:func:`stochastic_codes` biased by ``bias`` (in int32: int16 arithmetic does not vectorise) and packed
-    (:func:`pack_fields`) in one kernel: the codes are never written out as int8."""
-    codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
-    return pack_fields((codes.to(torch.int32) + bias).to(torch.uint8), per_byte, pad)
+    (:func:`pack_fields`) in one kernel: the codes are never written out as int8. Where a byte's fields share a
+    multiplier (one for the tensor, or blocks a multiple of ``per_byte`` long), each byte's ``per_byte`` codes are
+    drawn side by side in one loop over the bytes: the same codes as drawing them all
+    and then packing them in a second loop, which inductor left scalar on the CPU (QSGD's 4-bit levels of 16.7M
+    elements: 35 against 43 ms, one thread)."""
+    if per_byte == 1 or (multipliers.numel() > 1 and block_size % per_byte):
+        codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
+        return pack_fields((codes.to(torch.int32) + bias).to(torch.uint8), per_byte, pad)
+    # field p of every byte as one strided column: element per_byte * i + p with the bits of its own counter
+    # (hash_at); past g's end the elements are zeros, code 0, field ``bias`` (the caller writes ``pad`` in their place)
+    numel, width = g.numel(), 8 // per_byte
+    if multipliers.numel() == 1:
+        n = -(-numel // per_byte) * per_byte
+        columns = torch.nn.functional.pad(g, (0, n - numel)).view(-1, per_byte)
+        m = multipliers.reshape(())
+        rows = per_byte * torch.arange(n // per_byte, dtype=torch.int32, device=g.device)
+
+        def scaled(values: Tensor) -> Tensor:
+            return values * m.to(values.dtype)
+
+    else:
+        n = whole_blocks(numel, multipliers, block_size)
+        blocks, per_row = n // block_size, block_size // per_byte
+        columns = torch.nn.functional.pad(g, (0, n - numel)).view(blocks, per_row, per_byte)
+        low = first // block_size
+        column = multipliers[low : low + blocks, None]
+        starts = block_size * torch.arange(blocks, dtype=torch.int32, device=g.device)
+        rows = starts[:, None] + per_byte * torch.arange(per_row, dtype=torch.int32, device=g.device)
+
+        def scaled(values: Tensor) -> Tensor:
+            return values * column.to(values.dtype)
+
+    packed = None
+    for p in range(per_byte):
+        codes = _codes_of(columns[..., p], scaled, hash_at(block, rows + p), cap, fractional)
+        field = (codes.to(torch.int32) + bias) << (width * p)
+        packed = field if packed is None else packed | field
+    assert packed is not None
+    return packed.to(torch.uint8).reshape(-1)
 
 
 @fused
