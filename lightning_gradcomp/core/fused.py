@@ -129,10 +129,13 @@ class FusedKernel:
 
 
 def _is_recompile_limit(error: BaseException) -> bool:
-    """Whether ``error`` is dynamo's refusal to compile one more specialisation (``fullgraph`` raises it)."""
-    from torch._dynamo.exc import FailOnRecompileLimitHit
+    """Whether ``error`` is dynamo's refusal to compile one more specialisation (``fullgraph`` raises it; named
+    ``FailOnCacheLimitHit`` before torch 2.6)."""
+    from torch._dynamo import exc
 
-    return isinstance(error, FailOnRecompileLimitHit)
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    refusals = tuple(getattr(exc, name) for name in names if hasattr(exc, name))
+    return isinstance(error, refusals)
 
 
 def _is_compiler_failure(error: BaseException) -> bool:
