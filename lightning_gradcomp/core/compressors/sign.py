@@ -82,6 +82,14 @@ def l1_norm(flat: Tensor) -> Tensor:
     return torch.stack(partials).sum(dtype=torch.float64).to(torch.float32)
 
 
+def fused_signs(out: Tensor, first: int) -> int:
+    """How many leading signs of the flat ``out`` (signs ``first`` on) a compiled kernel takes in one pass: its whole
+    bytes, where kernels run compiled, ``out`` is float32 and ``first`` starts a byte; else 0 (eager chunks)."""
+    if out.dtype != torch.float32 or first % 8 or not compiles_on(out.device):
+        return 0
+    return out.numel() // 8 * 8
+
+
 def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, first: int = 0) -> Tensor:
     """``out += scale * sign`` for the ``out.numel()`` signs of ``packed`` from sign number ``first`` on, decoded
     chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would). A compiled
@@ -166,8 +174,8 @@ class SignEntries:
         """``out = compensated - scale * sign``, EF-SignSGD's residual (Karimireddy et al., 2019, Algorithm 1): whole
         bytes of fp32 in one compiled pass where kernels run compiled (the eager copy-then-add roundings: ``scale *
         +-1`` is exact), the rest as a copy and :meth:`add_to_`."""
-        done = out.numel() // 8 * 8 if out.dtype == torch.float32 and not self.first % 8 else 0
-        if done and compiles_on(out.device):
+        done = fused_signs(out, self.first)
+        if done:
             table = _sign_table(out.dtype, out.device)
             bits = self.bits[self.first // 8 : (self.first + done) // 8]
             subtract_signs_(out[:done], compensated[:done], bits, self.scale.to(out.dtype), table)
@@ -242,8 +250,7 @@ class ScaledSignCompressor(Compressor):
         signs = [p for p in payloads if isinstance(p, SignPayload)]
         if len(signs) < len(payloads) or not signs:
             return super().average_all(payloads, out, world)
-        # whole bytes of fp32 signs where kernels run compiled
-        done = out.numel() // 8 * 8 if out.dtype == torch.float32 and compiles_on(out.device) else 0
+        done = fused_signs(out, 0)
         if done:
             scales = [p.scale.to(out.dtype) for p in signs]
             table = _sign_table(out.dtype, out.device)
