@@ -195,6 +195,32 @@ def test_the_compiled_mean_of_terngrad_codes_under_a_shared_scaler_is_the_eager_
     assert torch.equal(compiled, eager) and torch.equal(eager, codes.float() * 4.0 / 3)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_rank_whose_scaler_is_not_finite_makes_the_shared_scaler_mean_not_finite_without_a_comparison(
+    mode: object, bad: float
+) -> None:
+    """Catches: the shared scaler taken from the own payload's flag (no comparison of the ranks' scalers, which waits
+    for a GPU) hiding a rank whose scaler is NaN or infinite (its gradient was not finite), which must reach the
+    optimizer as a non-finite mean, as decoding each payload with its own scaler gives."""
+    compressor = TernGradCompressor()
+    shared = torch.tensor(4.0)
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
+    own = compressor.compress(x, CounterStream(5), scale=shared, local_scale=compressor.local_scale(x))
+    received = [compressor.unpack(own.to_bytes().clone(), x.shape, x.dtype) for _ in range(2)]
+    assert own.shared and not received[0].shared
+    received[1].scales.fill_(bad)  # the scaler that rank sent
+    for run in ("compiled", "eager"):
+        mode(run)
+        for combine in (
+            lambda: compressor.average_all([received[0], own, received[1]], torch.zeros(NUMEL), 3),
+            lambda: compressor.accumulate_all([received[0], own, received[1]], torch.zeros(NUMEL)),
+        ):
+            assert not bool(combine().isfinite().any()), (run, bad)
+    healthy = compressor.average_all([received[0], own], torch.zeros(NUMEL), 2)
+    mode("eager")
+    assert torch.equal(healthy, compressor.accumulate_all([received[0], received[0]], torch.zeros(NUMEL)) / 2)
+
+
 @pytest.mark.parametrize("first", [0, 8, 3])  # a parameter starting on a byte edge, or inside a byte (eager)
 def test_ef_signs_compiled_residual_is_the_eager_copy_then_add_bit_for_bit(mode: object, first: int) -> None:
     compressor = ScaledSignCompressor()
@@ -228,3 +254,27 @@ def test_the_compiled_means_on_cuda_are_the_cpus_within_roundings_and_never_wait
         magnitude = sum(compressor.decompress(p).abs() for p in payloads) / 3
         assert bool(((out.cpu() - expected).abs() <= 4 * U * magnitude).all())
         mode("eager")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_terngrad_mean_under_the_shared_scaler_on_cuda_is_the_cpus_and_never_waits_for_the_host(
+    mode: object,
+) -> None:
+    """Catches: the ranks' scalers compared on the device (a read back per unit and step) where the own payload says
+    it was drawn under the hook's shared scaler."""
+    cuda, compressor, shared = torch.device("cuda"), TernGradCompressor(), torch.tensor(4.0)
+    mode("compiled")
+    on_cpu, on_device = [], []
+    for rank in range(3):
+        x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(rank))
+        own = compressor.compress(x.to(cuda), CounterStream(rank, cuda), scale=shared.to(cuda))
+        wire = own.to_bytes()
+        on_device.append(own if rank == 0 else compressor.unpack(wire.clone(), x.shape, x.dtype))
+        on_cpu.append(compressor.unpack(wire.cpu(), x.shape, x.dtype))
+    out = torch.empty(NUMEL, device=cuda)
+    compressor.average_all(on_device, out, 3)  # compile first: compiling may wait
+    assert host_waits(partial(compressor.average_all, on_device, out, 3), cuda) == 0
+    mode("eager")
+    expected = compressor.accumulate_all(on_cpu, torch.zeros(NUMEL)) / 3  # the integer sum, scaled once, divided
+    assert bool(((out.cpu() - expected).abs() <= 4 * U * expected.abs()).all())

@@ -55,6 +55,27 @@ def _summed_codes(payloads: Sequence[Payload], start: int, count: int) -> Tensor
     return total
 
 
+def one_scaler(payloads: Sequence[Payload]) -> Tensor | None:
+    """The scaler (0-dim) every ternary payload of ``payloads`` was drawn with, or ``None`` when they do not share one.
+
+    A payload drawn under the hook's shared scaler (Wen et al., 2017, Sec. 3.2: the MAX over ranks, the same number on
+    every rank, which every rank's payload was drawn with) says so without a comparison, which on a GPU would wait for
+    the device. Its scaler then absorbs ``0 * sum(scalers)``: the same number, unless some rank's scaler is not finite,
+    and then a NaN, so that the mean is not finite either (as decoding each payload with its own scaler makes it).
+    Without a shared scaler, the scalers are compared.
+    """
+    if not all(isinstance(p, TernaryPayload) for p in payloads):
+        return None
+    first = payloads[0]
+    assert isinstance(first, TernaryPayload)
+    if any(p.shared for p in payloads):  # type: ignore[attr-defined]
+        scalers = torch.cat([p.scales.reshape(-1) for p in payloads])  # type: ignore[attr-defined]
+        return first.scales[0] + 0 * scalers.sum()
+    if all(torch.equal(p.scales, first.scales) for p in payloads[1:]):  # type: ignore[attr-defined]
+        return first.scales[0]
+    return None
+
+
 class TernGradCompressor(Compressor):
     """TernGrad's stochastic ternarization: 2 bits per element plus one fp32 scaler per tensor.
 
@@ -175,14 +196,15 @@ class TernGradCompressor(Compressor):
         """
         first = payloads[0]
         assert isinstance(first, TernaryPayload)
-        if not all(isinstance(p, TernaryPayload) and torch.equal(p.scales, first.scales) for p in payloads[1:]):
+        shared = one_scaler(payloads)
+        if shared is None:
             return super().accumulate_all(payloads, out)
         work = working_dtype(out.dtype)
         if out.dtype != work:  # half precision: the sum decoded whole, rounded to the gradient's dtype, then added
             total = _summed_codes(payloads, 0, first.numel)
-            return TernaryPayload(total, first.scales, first.shape, first.dtype, first.block_size).add_to_(out)
+            return TernaryPayload(total, shared.reshape(1), first.shape, first.dtype, first.block_size).add_to_(out)
         # chunk by chunk (received codes stay packed): the integer sum, times S (one rounding), added to out
-        scale = first.scales.to(work)
+        scale = shared.to(work)
         span = chunk_for(out.device, ENCODE_CHUNK)
         values = torch.empty(min(out.numel(), span), dtype=work, device=out.device)
         for start in range(0, out.numel(), span):
@@ -195,14 +217,13 @@ class TernGradCompressor(Compressor):
         """The mean under one shared scaler: whole rows of :data:`SUMMED_ROW` codes in one compiled pass where
         kernels run compiled (the codes summed as integers, scaled once, divided: :meth:`accumulate_all`'s
         roundings), the rest eagerly; per-rank scalers as :meth:`accumulate_all` then a division."""
-        first = payloads[0]
-        assert isinstance(first, TernaryPayload)
         packed = [p.packed for p in payloads if isinstance(p, TernaryPayload) and p.packed is not None]
         done = out.numel() // SUMMED_ROW * SUMMED_ROW
         fusable = done and len(packed) == len(payloads) and out.dtype == torch.float32 and compiles_on(out.device)
-        if not fusable or not all(torch.equal(p.scales, first.scales) for p in payloads[1:]):  # type: ignore[attr-defined]
+        shared = one_scaler(payloads) if fusable else None
+        if shared is None:
             return super().average_all(payloads, out, world)
-        scale, per_byte = first.scales[0].to(torch.float32), TERNARY_PACKING.per_byte
+        scale, per_byte = shared.to(torch.float32), TERNARY_PACKING.per_byte
         codes = [c[: done // per_byte] for c in packed]
         mean_of_summed_fields_(out[:done], codes, scale, SUMMED_ROW, per_byte, TERNARY_PACKING.bias)
         if done < out.numel():
