@@ -7,9 +7,13 @@ import re
 import pytest
 import torch
 
+import lightning_gradcomp.core.compressors.sparse as sparse_module
+import lightning_gradcomp.core.memory as memory_module
 from lightning_gradcomp.core.compressors import (
     COMPRESSORS,
     IdentityCompressor,
+    RandomKCompressor,
+    ScaledSignCompressor,
     SparsePayload,
     TopKCompressor,
     build_compressor,
@@ -17,6 +21,7 @@ from lightning_gradcomp.core.compressors import (
 from lightning_gradcomp.core.compressors.topk import k_for
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.memory import ErrorFeedback, NoMemory, build_memory
+from lightning_gradcomp.core.randomness import CounterStream
 
 
 @pytest.mark.parametrize(
@@ -132,6 +137,29 @@ def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:
     restored = ErrorFeedback()
     restored.load_state_dict(state)
     assert torch.equal(restored.residual("w"), old)
+
+
+def test_error_feedback_settled_by_the_hook_reads_the_tensor_only_where_the_sent_entries_do_not_vouch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches: the hook's half of the update (called once the mean is known finite) summing the compensated tensor or
+    the entries again, a pass on the CPU and a wait for the device on a GPU, where the payload already told it was
+    finite (Top-k's largest entries, a scaled sign's scale); and skipping the tensor's sum where it did not (random-k).
+    The public ``update`` still checks, from the entries where they vouch."""
+    sums: list[str] = []
+    for module, what in ((memory_module, "tensor"), (sparse_module, "entries")):
+        monkeypatch.setattr(module, "all_finite", lambda x, what=what: sums.append(what) or bool(x.isfinite().all()))
+    cases = ((TopKCompressor(0.05), [], ["entries"]), (ScaledSignCompressor(), [], []))
+    for compressor, settled, updated in (*cases, (RandomKCompressor(0.05), ["tensor"], ["tensor"])):
+        memory, acc = ErrorFeedback(), torch.randn(400, generator=torch.Generator().manual_seed(4))
+        payload = compressor.compress(acc, CounterStream(5))
+        sums.clear()
+        memory.settle_("w", acc, payload.entries(), 400)
+        assert sums == settled, compressor
+        assert torch.equal(memory.residual("w"), acc - compressor.decompress(payload))
+        sums.clear()
+        memory.update("w", acc, payload.entries(), None)
+        assert sums == updated, compressor
 
 
 def test_memory_registry() -> None:

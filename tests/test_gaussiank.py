@@ -9,7 +9,9 @@ from lightning_gradcomp.core.compressors import blocks as blocks_module
 from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks
 from lightning_gradcomp.core.compressors.dgc import DGCCompressor
 from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor, normal_quantile, refitted
-from lightning_gradcomp.core.compressors.topk import ascending_top_k, k_for
+from lightning_gradcomp.core.compressors.randomk import RandomKCompressor
+from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, k_for
+from lightning_gradcomp.core.randomness import CounterStream
 
 D = 200_000
 
@@ -292,3 +294,41 @@ def test_the_refitted_threshold_is_the_gaussians_quantile_for_the_target(centre:
     assert refitted(thr, centre, seen, target, d) == pytest.approx(expected, rel=1e-12)
     assert refitted(thr, centre, 0, target, d) is None  # nothing found: nothing to fit
     assert refitted(centre, centre, seen, target, d) is None
+
+
+@pytest.mark.parametrize("numel", [64 * 1000, 64 * 1000 + 5])  # with and without a partial last block
+def test_a_nan_passes_every_threshold_through_block_maxima_as_through_the_streamed_pass(numel: int) -> None:
+    """Catches: a block whose maximum is NaN (it holds one) compared ``>`` a threshold, which is False, so that block
+    maxima dropped the NaN that the streamed pass keeps; Top-k's payload then vouches for a tensor it never read."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(8))
+    x[[70, 5000, numel - 1]] = torch.tensor([float("nan"), float("nan"), float("nan")])
+    blocks = MagnitudeBlocks(x)
+    for thr in (3.5, 100.0):
+        for inclusive in (False, True):
+            found = blocks.above(thr, inclusive)
+            assert torch.equal(found, blocks_module.streamed_above(x, thr, inclusive)), (thr, inclusive)
+            assert {70, 5000, numel - 1} <= set(found.tolist())
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.01])  # candidates through block maxima, and by the streamed pass
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_top_k_sends_a_non_finite_element_whenever_there_is_one_so_its_entries_vouch_for_the_tensor(
+    density: float, bad: float
+) -> None:
+    """Catches: error feedback skipping its sum over the compensated tensor on the word of a selection that may leave
+    a NaN or an infinity out (every Top-k path must select one; Gaussian_k's and random-k's do not vouch)."""
+    numel = 200_000
+    codec = TopKCompressor(density)
+    for where in (0, 12_345, numel - 1):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(where))
+        x[where] = bad
+        for generator in (CounterStream(where), None):  # the sampled threshold, and torch.topk
+            entries = codec.compress(x, generator).entries()
+            assert entries.vouches_finite and not entries.all_finite(), (where, generator)
+            parts = entries.split([numel // 2, numel - numel // 2])  # two parameters of one unit
+            assert all(p.vouches_finite and not p.all_finite() for p in parts)  # each reports the whole selection
+        clean = codec.compress(torch.randn(numel), CounterStream(1)).entries()
+        assert clean.vouches_finite and clean.all_finite()
+    assert DGCCompressor(density).compress(x, CounterStream(2)).entries().vouches_finite
+    assert not GaussianKCompressor(density).compress(x, CounterStream(3)).entries().vouches_finite
+    assert not RandomKCompressor(density).compress(x, CounterStream(4)).entries().vouches_finite

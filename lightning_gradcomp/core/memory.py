@@ -201,6 +201,19 @@ class ErrorFeedback(Memory):
         vouched = not isinstance(sent, Tensor) and sent.vouches_finite
         if not (sent.all_finite() if vouched else all_finite(compensated)):  # type: ignore[union-attr]
             return  # a NaN/Inf that was never sent must not sit in the residual forever
+        self._record(name, compensated, sent)
+
+    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int) -> None:
+        """:meth:`update` as the hook calls it, only when the mean is finite: a sent form that vouches for the tensor's
+        finiteness (a scaled sign's scale, Top-k's largest entries) is this rank's share of that mean, so it is finite
+        and so was the tensor; nothing is read again (on a GPU, no wait for the device). Else the tensor is summed."""
+        if isinstance(sent, Tensor) or not sent.vouches_finite:
+            self.update(name, compensated, sent, None, unit_numel=unit_numel)  # type: ignore[arg-type]
+        else:
+            self._record(name, compensated, sent)
+
+    def _record(self, name: str, compensated: Tensor, sent: Sent) -> None:
+        """``residual = compensated - sent`` (and momentum correction's velocity), both known finite."""
         residual = self._residuals.get(name)
         if self.momentum:
             # the new velocity is what compensate_ added to the gradient: acc - old residual

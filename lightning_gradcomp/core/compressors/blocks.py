@@ -94,22 +94,27 @@ class MagnitudeBlocks(BlockPeaks):
         self.peaks = peaks
 
     def above(self, thr: float, inclusive: bool = False) -> Tensor:
-        """Ascending indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``).
+        """Ascending indices of the entries with ``|x| > thr`` (``>=`` when ``inclusive``); a NaN passes.
 
         When more than one block in :data:`STREAM_FRACTION` passes (a threshold keeping about 1% of the
         entries reaches half of the blocks of 64), copying those blocks out costs more than one pass
         over the tensor in cache-sized chunks, which is taken instead.
         """
-        compare = torch.ge if inclusive else torch.gt
-        blocks = torch.nonzero(compare(self.peaks[: self._full], thr)).reshape(-1)
+        blocks = torch.nonzero(passes(self.peaks[: self._full], thr, inclusive)).reshape(-1)
         if blocks.numel() * STREAM_FRACTION > self._full:
             return streamed_above(self.flat, thr, inclusive)
-        hits = torch.nonzero(compare(self._body.index_select(0, blocks).abs(), thr))
+        hits = torch.nonzero(passes(self._body.index_select(0, blocks).abs(), thr, inclusive))
         indices = blocks[hits[:, 0]] * self.block + hits[:, 1]
-        if self._tail.numel() and bool(compare(self.peaks[-1], thr)):
-            tail = torch.nonzero(compare(self._tail.abs(), thr)).reshape(-1) + self._full * self.block
+        if self._tail.numel() and bool(passes(self.peaks[-1], thr, inclusive)):
+            tail = torch.nonzero(passes(self._tail.abs(), thr, inclusive)).reshape(-1) + self._full * self.block
             indices = torch.cat([indices, tail])
         return indices
+
+
+def passes(magnitudes: Tensor, thr: float, inclusive: bool) -> Tensor:
+    """``magnitudes > thr`` (``>=`` when ``inclusive``), a NaN passing: as :func:`streamed_above` tests, so that a
+    selection holds every NaN it can (a block's maximum is NaN where an element is)."""
+    return ~(magnitudes < thr) if inclusive else ~(magnitudes <= thr)
 
 
 def streams(fraction: float, block: int = 64) -> bool:

@@ -46,6 +46,10 @@ class SparsePayload(Payload):
     values: Tensor
     shape: torch.Size
     slots: int | None = None
+    #: the entries are the ``k`` of largest magnitude, a NaN ranked above everything (Top-k's): some value is not
+    #: finite whenever the tensor had such an element, so their finiteness is the tensor's (error feedback need not
+    #: read the tensor again to learn it)
+    largest: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -72,10 +76,10 @@ class SparsePayload(Payload):
         return sparse_nbytes(self.numel, self.k, float_itemsize, self.slots)
 
     def cast(self, dtype: torch.dtype) -> SparsePayload:
-        return SparsePayload(self.indices, self.values.to(dtype), self.shape, self.slots)
+        return SparsePayload(self.indices, self.values.to(dtype), self.shape, self.slots, self.largest)
 
     def entries(self) -> SparseEntries:
-        return SparseEntries(self.indices, self.values, self.numel)
+        return SparseEntries(self.indices, self.values, self.numel, self.largest)
 
     def to_bytes(self) -> Tensor:
         if self.slots is not None and self.k > self.slots:
@@ -132,6 +136,13 @@ class SparseEntries:
     indices: Tensor
     values: Tensor
     numel: int
+    #: whether :meth:`all_finite` also tells whether the whole tensor compressed was finite (the ``k`` largest
+    #: magnitudes, :attr:`SparsePayload.largest`); a sampled selection may leave a NaN out: error feedback reads the
+    #: tensor itself then
+    vouches_finite: bool = False
+    #: the values whose finiteness :meth:`all_finite` reports: the whole selection's, for a slice of a vouching one
+    #: (one parameter of a unit: a non-finite element of another parameter may have taken the place of its own)
+    finite_of: Tensor | None = None
 
     def to_dense(self) -> Tensor:
         """The dense flat tensor."""
@@ -143,31 +154,31 @@ class SparseEntries:
         subtracted value becomes exactly 0)."""
         return out.index_add_(0, self.indices, self.values, alpha=alpha)
 
-    #: a sampled selection may leave a NaN out: error feedback reads the tensor itself
-    vouches_finite = False
-
     def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
         return subtract_by_adding(self, compensated, out)
 
     def all_finite(self) -> bool:
-        """Whether every entry is finite (the zeros between them are)."""
-        return all_finite(self.values)
+        """Whether every entry is finite (the zeros between them are); for a slice of a vouching selection, whether
+        every entry of the whole selection is."""
+        return all_finite(self.values if self.finite_of is None else self.finite_of)
 
     def split(self, numels: Sequence[int]) -> list[SparseEntries]:
         """The entries of each consecutive slice of ``numels`` elements, with indices local to the slice."""
         if len(numels) == 1:
             return [self]
         starts = [0, *accumulate(numels)]
+        vouches = self.vouches_finite
+        whole = (self.values if self.finite_of is None else self.finite_of) if vouches else None
         if is_ascending(self.indices):  # each slice's entries are one run: cut it by binary search
             edges = torch.searchsorted(self.indices, torch.tensor(starts, device=self.indices.device)).tolist()
             return [
-                SparseEntries(self.indices[lo:hi] - start, self.values[lo:hi], n)
+                SparseEntries(self.indices[lo:hi] - start, self.values[lo:hi], n, vouches, whole)
                 for start, n, lo, hi in zip(starts[:-1], numels, edges[:-1], edges[1:], strict=True)
             ]
         parts = []
         for start, n in zip(starts[:-1], numels, strict=True):
             inside = (self.indices >= start) & (self.indices < start + n)
-            parts.append(SparseEntries(self.indices[inside] - start, self.values[inside], n))
+            parts.append(SparseEntries(self.indices[inside] - start, self.values[inside], n, vouches, whole))
         return parts
 
 

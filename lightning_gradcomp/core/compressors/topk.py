@@ -90,6 +90,14 @@ class TopKCompressor(FixedKSparsifier):
     def __init__(self, density: float = 0.001) -> None:
         self.density = check_density("density", density)
 
+    @property
+    def vouches_finite(self) -> bool:
+        """Whether this compressor's selections always hold a tensor's non-finite elements (when it has any): every
+        path ranks a NaN or an infinity above all finite magnitudes (``torch.topk``, the candidates of a sampled
+        threshold, the ladder of levels, which falls back to ``torch.topk`` on a non-finite tensor). A subclass that
+        selects otherwise says no."""
+        return type(self).select_k is TopKCompressor.select_k
+
     def sample_size(self, numel: int) -> int:
         """Entries sampled from a tensor of ``numel`` entries (``>= numel`` means: ``torch.topk`` instead)."""
         wanted = math.ceil(self.sample_ratio * numel)
@@ -148,4 +156,4 @@ class TopKCompressor(FixedKSparsifier):
         in DDP's bucket), which select exactly the entries its concatenation would."""
         flat = x.reshape(-1)
         indices = self.select(flat, generator)
-        return SparsePayload(indices, take(flat, indices), x.shape)
+        return SparsePayload(indices, take(flat, indices), x.shape, largest=self.vouches_finite)
