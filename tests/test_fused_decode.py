@@ -18,6 +18,7 @@ import lightning_gradcomp.core.fused as fused_module
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
 from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, TernGradCompressor
 from lightning_gradcomp.core.compressors.kernels import (
+    SIGN_ROW,
     add_fields_,
     mean_of_fields_,
     mean_of_signs_,
@@ -74,7 +75,7 @@ def test_the_compiled_mean_of_qsgd_levels_is_the_eager_zero_add_divide_bit_for_b
 
 def test_the_compiled_mean_of_scaled_signs_is_the_eager_one_bit_for_bit(mode: object) -> None:
     compressor = ScaledSignCompressor()
-    numel = 8 * 999 + 5  # a partial last byte, decoded eagerly
+    numel = 2 * SIGN_ROW + 8 * 99 + 5  # two whole planar rows, compiled; a partial last row and byte, eagerly
     mode("eager")
     payloads = _payloads(compressor, 3, numel)
     calls = mean_of_signs_.compiled_calls
@@ -221,17 +222,17 @@ def test_a_rank_whose_scaler_is_not_finite_makes_the_shared_scaler_mean_not_fini
     assert torch.equal(healthy, compressor.accumulate_all([received[0], received[0]], torch.zeros(NUMEL)) / 2)
 
 
-@pytest.mark.parametrize("first", [0, 8, 3])  # a parameter starting on a byte edge, or inside a byte (eager)
+@pytest.mark.parametrize("first", [0, SIGN_ROW, 8, 3])  # a parameter starting on a row edge, or inside a row (eager)
 def test_ef_signs_compiled_residual_is_the_eager_copy_then_add_bit_for_bit(mode: object, first: int) -> None:
     compressor = ScaledSignCompressor()
-    numel = 8 * 999 + 5
+    numel = 2 * SIGN_ROW + 8 * 99 + 5
     compensated = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     mode("eager")
     payload = compressor.compress(torch.randn(numel + first, generator=torch.Generator().manual_seed(4)))
     _, entries = payload.entries().split([first, numel]) if first else (None, payload.entries())
     calls = subtract_signs_.compiled_calls
     compiled, eager = _both(mode, lambda: entries.subtract_from(compensated, torch.full((numel,), 9.0)))
-    assert subtract_signs_.compiled_calls == calls + (first % 8 == 0)
+    assert subtract_signs_.compiled_calls == calls + (first % SIGN_ROW == 0)
     assert torch.equal(compiled, eager)
     assert torch.equal(eager, compensated - compressor.decompress(payload)[first:])
 

@@ -13,20 +13,39 @@ from test_hook import _make_hook, _train
 from lightning_gradcomp import NAMED_STRATEGIES, GradCompStrategy
 from lightning_gradcomp.core.compressors import ScaledSignCompressor, SignPayload
 from lightning_gradcomp.core.compressors import sign as sign_module
-from lightning_gradcomp.core.compressors.sign import pack_bits, signs_of
+from lightning_gradcomp.core.compressors.kernels import SIGN_ROW, SIGN_STRIPE
+from lightning_gradcomp.core.compressors.sign import pack_signs, signs_at
 from lightning_gradcomp.core.compressors.sparse import dense_of
 from lightning_gradcomp.core.memory import ErrorFeedback
 
 
-@pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1001])
-def test_bits_pack_eight_per_byte_and_come_back(numel: int) -> None:
-    bits = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
-    packed = pack_bits(bits)
+def planar_reference(bits: torch.Tensor) -> torch.Tensor:
+    """The wire's sign bytes from the layout's definition, element by element: sign ``j`` of a whole row ``r`` at byte
+    ``r * 512 + j % 512``, bit ``(j % 4096) // 512``; in the last, partial row of ``m`` signs, stripes of
+    ``ceil(m / 8)``."""
+    numel = bits.numel()
+    whole = numel // SIGN_ROW * SIGN_ROW
+    j = torch.arange(numel)
+    in_tail = j >= whole
+    stripe = torch.where(in_tail, -(-(numel - whole) // 8), SIGN_STRIPE)
+    offset = torch.where(in_tail, j - whole, j % SIGN_ROW)
+    byte = torch.where(in_tail, whole // 8, j // SIGN_ROW * SIGN_STRIPE) + offset % stripe
+    words = torch.zeros(-(-numel // 8), dtype=torch.long).index_add_(0, byte, bits.long() << (offset // stripe))
+    return words.to(torch.uint8)
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1001, SIGN_ROW, SIGN_ROW + 1, 3 * SIGN_ROW + 999])
+def test_signs_pack_eight_per_byte_in_planar_rows_and_come_back(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    packed = pack_signs(x)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(numel / 8)
+    assert torch.equal(packed, planar_reference(x >= 0))
+    signs = torch.where(x >= 0, 1.0, -1.0)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        assert torch.equal(signs_of(packed, numel, dtype), torch.where(bits, 1.0, -1.0).to(dtype))
-    # least significant bit first: element 0 is bit 0 of byte 0
-    assert int(packed[0]) & 1 == int(bits[0])
+        assert torch.equal(signs_at(packed, numel, 0, numel, dtype), signs.to(dtype))
+    for first in {0, 1, numel // 3, max(0, numel - SIGN_ROW - 5)}:  # ranges across rows and into the last one
+        count = (numel - first) // 2 + 1 if first < numel else 0
+        assert torch.equal(signs_at(packed, numel, first, count, torch.float32), signs[first : first + count])
 
 
 def test_sends_the_mean_magnitude_times_the_sign() -> None:
@@ -121,7 +140,7 @@ def test_signs_packed_and_decoded_in_chunks_are_the_one_pass_forms_bit_for_bit(n
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     x[::5] = 0.0
     x[1::7] = -0.0  # -0.0 >= 0: sent as +, as every zero
-    assert torch.equal(sign_module.pack_signs(x), pack_bits(x >= 0))
+    assert torch.equal(sign_module.pack_signs(x), planar_reference(x >= 0))
     payload = ScaledSignCompressor().compress(x)
     l1 = sign_module.l1_norm(x)
     assert torch.equal(payload.scale, l1 / max(1, numel)) and l1.dtype == torch.float32

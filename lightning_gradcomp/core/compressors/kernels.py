@@ -29,6 +29,8 @@ __all__ = [
     "pack_fields",
     "packed_fields",
     "shift_and_estimate_",
+    "sign_rows",
+    "signs_of_rows",
     "stochastic_codes",
     "subtract_signs_",
     "whole_blocks",
@@ -184,15 +186,50 @@ def draw_packed_codes(
     return packed.to(torch.uint8).reshape(-1)
 
 
+#: Signs per stripe of the scaled signs' wire (:mod:`~lightning_gradcomp.core.compressors.sign`): a row of ``8 *
+#: SIGN_STRIPE`` signs lies in ``SIGN_STRIPE`` bytes, bit ``k`` of byte ``b`` holding sign ``b + k * SIGN_STRIPE``.
+SIGN_STRIPE = 512
+#: Signs per whole row.
+SIGN_ROW = 8 * SIGN_STRIPE
+
+
+def sign_rows(flat: Tensor, stripe: int) -> Tensor:
+    """The planar bytes of whole rows of ``8 * stripe`` elements of ``flat``: bit ``k`` of byte ``b`` of a row is
+    ``x >= 0`` of its element ``b + k * stripe``. Each stripe is read contiguously: compiled, whole vectors."""
+    rows = flat.view(-1, 8, stripe)
+    packed = None
+    for k in range(8):
+        bit = torch.where(rows[:, k] >= 0, 1, 0).to(torch.int32) << k
+        packed = bit if packed is None else packed | bit
+    assert packed is not None
+    return packed.to(torch.uint8).reshape(-1)
+
+
+def signs_of_rows(packed: Tensor, stripe: int) -> Tensor:
+    """The signs (+1 for a set bit, -1 else; float32) of whole rows of :func:`sign_rows`' bytes, shaped ``(rows, 8,
+    stripe)``: each row's eight stripes in element order."""
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device).view(1, 8, 1)
+    bits = (packed.view(-1, 1, stripe).to(torch.int32) >> shifts) & 1
+    return (bits * 2 - 1).to(torch.float32)
+
+
 @fused
 def encode_signs(flat: Tensor, rms: bool) -> tuple[Tensor, Tensor]:
     """EF-SignSGD's payload of a flat tensor (Karimireddy et al., ICML 2019, Algorithm 1): the magnitude (float32
-    ``||x||_1 / d``, or with ``rms`` 1-bit Adam's ``||x||_2 / sqrt(d)``) and the bits ``x >= 0`` packed 8 to a byte,
-    least significant first."""
+    ``||x||_1 / d``, or with ``rms`` 1-bit Adam's ``||x||_2 / sqrt(d)``) and the bits ``x >= 0`` in planar rows
+    (:func:`sign_rows`; the last, partial row of ``m`` elements in stripes of ``ceil(m / 8)``, its padding 0)."""
     d = max(1, flat.numel())
     work = flat.to(torch.float32)
     magnitude = (torch.linalg.vector_norm(work) if rms else work.abs().sum()) / (d**0.5 if rms else d)
-    return magnitude, pack_fields((flat >= 0).to(torch.uint8), 8, 0)
+    whole = flat.numel() // SIGN_ROW * SIGN_ROW
+    parts = [sign_rows(flat[:whole], SIGN_STRIPE)] if whole else []
+    tail = flat.numel() - whole
+    if tail:
+        stripe = -(-tail // 8)
+        padded = torch.nn.functional.pad(flat[whole:], (0, 8 * stripe - tail), value=-1.0)
+        parts.append(sign_rows(padded, stripe))
+    bits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
+    return magnitude, bits
 
 
 @fused
@@ -262,20 +299,20 @@ def add_fields_(
 
 
 @fused
-def mean_of_signs_(out: Tensor, bits: list[Tensor], scales: list[Tensor], table: Tensor) -> None:
-    """``out`` (flat, whole bytes of signs) becomes the mean of the ranks' scaled signs: byte ``b``'s eight signs
-    are row ``b`` of ``table`` (+-1), times the rank's scale (exact), summed in rank order, divided by their number."""
-    total = table[bits[0].to(torch.int32)] * scales[0]
+def mean_of_signs_(out: Tensor, bits: list[Tensor], scales: list[Tensor]) -> None:
+    """``out`` (flat, whole rows of signs) becomes the mean of the ranks' scaled signs (:func:`signs_of_rows` times the
+    rank's scale, exact), summed in rank order, divided by their number."""
+    total = signs_of_rows(bits[0], SIGN_STRIPE) * scales[0]
     for rank in range(1, len(bits)):
-        total = total + table[bits[rank].to(torch.int32)] * scales[rank]
+        total = total + signs_of_rows(bits[rank], SIGN_STRIPE) * scales[rank]
     out.view(total.shape).copy_(total / len(bits))
 
 
 @fused
-def subtract_signs_(out: Tensor, compensated: Tensor, bits: Tensor, scale: Tensor, table: Tensor) -> None:
-    """``out = compensated - scale * sign`` over whole bytes of signs in one pass: error feedback's residual of a scaled
+def subtract_signs_(out: Tensor, compensated: Tensor, bits: Tensor, scale: Tensor) -> None:
+    """``out = compensated - scale * sign`` over whole rows of signs in one pass: error feedback's residual of a scaled
     sign (``scale * +-1`` is exact: one rounding, as the eager copy-then-add)."""
-    signs = table[bits.to(torch.int32)] * scale
+    signs = signs_of_rows(bits, SIGN_STRIPE) * scale
     out.view(signs.shape).copy_(compensated.view(signs.shape) - signs)
 
 

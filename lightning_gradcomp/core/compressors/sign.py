@@ -11,14 +11,17 @@ and keeps ``e = p - C(p)`` (``memory="ef"``). ``C`` is a contraction,
 never unbiased for DIANA. Ranks gather each other's bits and scales and *average* the scaled signs
 (not signSGD's majority vote, which loses the scales and with them the contraction).
 
-Wire form: the scale (float32), then the signs packed 8 per byte, least significant bit first (a
-set bit is ``+``; ``sign(0)`` is sent as ``+``, error feedback keeps the difference):
-``4 + ceil(d / 8)`` bytes, 32x below fp32 for large tensors.
+Wire form: the scale (float32), then the signs packed 8 per byte (a set bit is ``+``; ``sign(0)`` is sent as ``+``,
+error feedback keeps the difference): ``4 + ceil(d / 8)`` bytes, 32x below fp32 for large tensors. The bytes are
+planar rows: the signs are cut into rows of ``8 * 512`` (:data:`~lightning_gradcomp.core.compressors.kernels.SIGN_ROW`),
+each in 512 bytes, bit ``k`` of byte ``b`` holding the row's sign ``b + 512 k``; the last, partial row of ``m`` signs
+is cut the same way into stripes of ``ceil(m / 8)``. So each of a row's eight bit planes is a contiguous run of
+elements, which compiled loops read and write as whole vectors: interleaved 8 to a byte, the compiled mean of two
+ranks' signs of a 4096 x 4096 layer took 22-35 ms on one CPU thread, planar 7-9 (``benchmarks/field_layout.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,45 +33,53 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload, chunk_for, subtract_by_adding
 from lightning_gradcomp.core.compressors.draws import Draws
-from lightning_gradcomp.core.compressors.kernels import encode_signs, mean_of_signs_, subtract_signs_
-from lightning_gradcomp.core.compressors.ternary import LITTLE_ENDIAN
+from lightning_gradcomp.core.compressors.kernels import (
+    SIGN_ROW,
+    SIGN_STRIPE,
+    encode_signs,
+    mean_of_signs_,
+    sign_rows,
+    signs_of_rows,
+    subtract_signs_,
+)
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
-
-def pack_bits(bits: Tensor) -> Tensor:
-    """Pack a flat bool tensor 8 per byte, least significant bit first (zero-padded to a whole byte)."""
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    rows = bits.view(-1, 8).to(torch.uint8)
-    return (rows * _BIT_WEIGHTS.to(rows.device)).sum(dim=1, dtype=torch.uint8)
+def _rows_at(numel: int) -> tuple[int, int]:
+    """``(whole, stripe)``: the signs in whole rows of a tensor of ``numel``, and its last row's stripe (0 if none)."""
+    whole = numel // SIGN_ROW * SIGN_ROW
+    return whole, -(-(numel - whole) // 8)
 
 
 def pack_signs(flat: Tensor) -> Tensor:
-    """``pack_bits(flat >= 0)`` for a flat tensor, in chunks: each int64 word of eight 0/1 bytes folded into one
-    byte with shifts (little-endian byte order inside a word; :func:`pack_bits` otherwise)."""
+    """The planar bytes of ``flat >= 0`` (see the module), eagerly, a chunk of whole rows at a time."""
     numel = flat.numel()
-    if not LITTLE_ENDIAN or numel == 0:
-        return pack_bits(flat >= 0)
+    whole, stripe = _rows_at(numel)
     packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device)
-    span = chunk_for(flat.device, STREAM_CHUNK)
-    mask = torch.zeros(min(numel + 7, span) // 8 * 8, dtype=torch.bool, device=flat.device)
-    for start in range(0, numel, span):
-        part = flat[start : start + span]
-        n = part.numel()
-        whole = (n + 7) // 8 * 8
-        torch.ge(part, 0, out=mask[:n])
-        mask[n:whole] = False  # the last byte's padding
-        words = mask[:whole].view(torch.uint8).view(torch.int64)
-        folded = words | (words >> 7)  # byte k's bit (at 8k) moves to bit k of the low byte
-        folded |= folded >> 14
-        folded |= folded >> 28
-        packed[start // 8 : start // 8 + whole // 8].copy_(folded)  # keeps the low byte
+    span = max(1, chunk_for(flat.device, STREAM_CHUNK) // SIGN_ROW) * SIGN_ROW
+    for start in range(0, whole, span):
+        part = flat[start : min(start + span, whole)]
+        packed[start // 8 : (start + part.numel()) // 8] = sign_rows(part, SIGN_STRIPE)
+    if stripe:
+        padded = torch.full((8 * stripe,), -1.0, dtype=flat.dtype, device=flat.device)
+        padded[: numel - whole] = flat[whole:]
+        packed[whole // 8 :] = sign_rows(padded, stripe)
     return packed
+
+
+def signs_at(packed: Tensor, numel: int, first: int, count: int, dtype: torch.dtype) -> Tensor:
+    """Signs ``first .. first + count`` (+1 or -1 in ``dtype``) of the planar bytes of a tensor of ``numel`` signs:
+    the rows that hold them decoded whole, then cut."""
+    whole, stripe = _rows_at(numel)
+    low, high = first // SIGN_ROW * SIGN_ROW, min(whole, -(-(first + count) // SIGN_ROW) * SIGN_ROW)
+    parts = [signs_of_rows(packed[low // 8 : high // 8], SIGN_STRIPE).view(-1)] if high > low else []
+    if first + count > whole:
+        parts.append(signs_of_rows(packed[whole // 8 :], stripe).view(-1)[: numel - whole])
+    start = min(low, whole)
+    signs = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return signs[first - start : first - start + count].to(dtype)
 
 
 def l1_norm(flat: Tensor) -> Tensor:
@@ -84,45 +95,28 @@ def l1_norm(flat: Tensor) -> Tensor:
 
 def fused_signs(out: Tensor, first: int) -> int:
     """How many leading signs of the flat ``out`` (signs ``first`` on) a compiled kernel takes in one pass: its whole
-    bytes, where kernels run compiled, ``out`` is float32 and ``first`` starts a byte; else 0 (eager chunks)."""
-    if out.dtype != torch.float32 or first % 8 or not compiles_on(out.device):
+    rows, where kernels run compiled, ``out`` is float32 and ``first`` starts a row; else 0 (eager chunks)."""
+    if out.dtype != torch.float32 or first % SIGN_ROW or not compiles_on(out.device):
         return 0
-    return out.numel() // 8 * 8
+    return out.numel() // SIGN_ROW * SIGN_ROW
 
 
-def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, first: int = 0) -> Tensor:
-    """``out += scale * sign`` for the ``out.numel()`` signs of ``packed`` from sign number ``first`` on, decoded
-    chunk by chunk (``+-scale`` is exact, so each element is rounded once, as one dense pass would). A compiled
-    kernel of this one addition was measured no faster than these chunks on the CPU; the mean of several payloads
-    is fused (:meth:`ScaledSignCompressor.average_all`)."""
-    span = chunk_for(out.device, STREAM_CHUNK)
+def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, numel: int, first: int = 0) -> Tensor:
+    """``out += scale * sign`` for the ``out.numel()`` signs from sign number ``first`` on of the planar bytes
+    ``packed`` of ``numel`` signs, decoded a chunk at a time (``+-scale`` is exact, so each element is rounded once, as
+    one dense pass would). The mean of several payloads is one compiled pass
+    (:meth:`ScaledSignCompressor.average_all`)."""
+    span = max(1, chunk_for(out.device, STREAM_CHUNK) // SIGN_ROW) * SIGN_ROW
     for start in range(0, out.numel(), span):
         target = out[start : start + span]
-        begin = first + start
-        head = begin % 8
-        bytes_ = packed[begin // 8 : (begin + target.numel() + 7) // 8]
-        signs = signs_of(bytes_, head + target.numel(), out.dtype)[head:]
-        target.addcmul_(signs, scale)
+        target.addcmul_(signs_at(packed, numel, first + start, target.numel(), out.dtype), scale)
     return out
-
-
-@functools.cache
-def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Row ``b``: the 8 signs (+1 for a set bit, -1 else) that byte ``b`` packs, least significant first."""
-    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-    return (2 * bits - 1).to(dtype=dtype, device=device)
-
-
-def signs_of(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-    """The first ``numel`` signs of :func:`pack_bits`'s output as +1/-1 in ``dtype``: one table lookup per
-    byte (8 elements), no intermediate bit tensor."""
-    table = _sign_table(dtype, packed.device)
-    return table.index_select(0, packed.to(torch.int32)).view(-1)[:numel]
 
 
 @dataclass(frozen=True)
 class SignPayload(Payload):
-    """``scale * (+1 where the bit is set else -1)`` for a tensor of ``shape``; ``bits`` packed 8 per byte."""
+    """``scale * (+1 where the bit is set else -1)`` for a tensor of ``shape``; ``bits`` packed 8 per byte, in planar
+    rows (see the module)."""
 
     scale: Tensor
     bits: Tensor
@@ -142,29 +136,31 @@ class SignPayload(Payload):
 
     def add_to_(self, out: Tensor) -> Tensor:
         """``out += scale * sign`` (flat ``out``), each element rounded once (``+-scale`` is exact)."""
-        return add_signs_(out, self.bits, self.scale.to(out.dtype))
+        return add_signs_(out, self.bits, self.scale.to(out.dtype), self.numel)
 
     def entries(self) -> SignEntries:
         """The signs with their scale, added into error feedback's residual without a dense decoded copy."""
-        return SignEntries(self.bits, self.scale, 0, self.numel, self.dtype)
+        return SignEntries(self.bits, self.scale, 0, self.numel, self.dtype, self.numel)
 
 
 @dataclass(frozen=True)
 class SignEntries:
-    """Signs ``first .. first + numel`` of a packed payload with its scale: what error feedback takes from it."""
+    """Signs ``first .. first + numel`` of a packed payload of ``total`` signs with its scale: what error feedback takes
+    from it."""
 
     bits: Tensor
     scale: Tensor
     first: int
     numel: int
     dtype: torch.dtype
+    total: int
 
     def to_dense(self) -> Tensor:
         return self.add_to_(torch.zeros(self.numel, dtype=self.dtype, device=self.bits.device))
 
     def add_to_(self, out: Tensor, alpha: float = 1.0) -> Tensor:
         """``out += alpha * scale * sign``: for ``alpha = -1`` the residual ``p - C(p)``, one rounding per element."""
-        return add_signs_(out, self.bits, self.scale.to(out.dtype) * alpha, self.first)
+        return add_signs_(out, self.bits, self.scale.to(out.dtype) * alpha, self.total, self.first)
 
     #: the scale is ``||x||_1 / d`` (or ``||x||_2 / sqrt(d)``) of the whole unit: non-finite wherever an element is (and
     #: where a sum of finite elements overflows, which then skips the update as ``all_finite``'s own sum would)
@@ -176,11 +172,10 @@ class SignEntries:
         +-1`` is exact), the rest as a copy and :meth:`add_to_`."""
         done = fused_signs(out, self.first)
         if done:
-            table = _sign_table(out.dtype, out.device)
             bits = self.bits[self.first // 8 : (self.first + done) // 8]
-            subtract_signs_(out[:done], compensated[:done], bits, self.scale.to(out.dtype), table)
+            subtract_signs_(out[:done], compensated[:done], bits, self.scale.to(out.dtype))
             if done < out.numel():
-                tail = SignEntries(self.bits, self.scale, self.first + done, out.numel() - done, self.dtype)
+                tail = SignEntries(self.bits, self.scale, self.first + done, out.numel() - done, self.dtype, self.total)
                 subtract_by_adding(tail, compensated[done:], out[done:])
             return out
         return subtract_by_adding(self, compensated, out)
@@ -191,7 +186,8 @@ class SignEntries:
     def split(self, numels: Sequence[int]) -> list[SignEntries]:
         starts = accumulate(numels[:-1], initial=self.first)
         return [
-            SignEntries(self.bits, self.scale, start, n, self.dtype) for start, n in zip(starts, numels, strict=True)
+            SignEntries(self.bits, self.scale, start, n, self.dtype, self.total)
+            for start, n in zip(starts, numels, strict=True)
         ]
 
 
@@ -244,7 +240,7 @@ class ScaledSignCompressor(Compressor):
         return payload.add_to_(out)
 
     def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
-        """The mean of the ranks' scaled signs: whole bytes in one compiled pass where kernels run compiled (summed
+        """The mean of the ranks' scaled signs: whole rows in one compiled pass where kernels run compiled (summed
         in rank order, then divided: the eager roundings on the CPU; on CUDA the division may be a product with the
         reciprocal), the rest as :meth:`accumulate_all` then a division."""
         signs = [p for p in payloads if isinstance(p, SignPayload)]
@@ -253,12 +249,11 @@ class ScaledSignCompressor(Compressor):
         done = fused_signs(out, 0)
         if done:
             scales = [p.scale.to(out.dtype) for p in signs]
-            table = _sign_table(out.dtype, out.device)
-            mean_of_signs_(out[:done], [p.bits[: done // 8] for p in signs], scales, table)
+            mean_of_signs_(out[:done], [p.bits[: done // 8] for p in signs], scales)
         if done < out.numel():
             rest = out[done:].zero_()
             for payload in signs:
-                add_signs_(rest, payload.bits, payload.scale.to(out.dtype), first=done)
+                add_signs_(rest, payload.bits, payload.scale.to(out.dtype), payload.numel, first=done)
             rest.div_(world)
         return out
 
