@@ -29,6 +29,7 @@ __all__ = [
     "pack_fields",
     "packed_fields",
     "shift_and_estimate_",
+    "sign_row_split",
     "sign_rows",
     "signs_of_rows",
     "stochastic_codes",
@@ -193,6 +194,13 @@ SIGN_STRIPE = 512
 SIGN_ROW = 8 * SIGN_STRIPE
 
 
+def sign_row_split(numel: int) -> tuple[int, int]:
+    """``(whole, stripe)``: how many of ``numel`` signs lie in whole rows, and the stripe of the last, partial row
+    (``ceil(m / 8)`` for its ``m`` signs; 0 when there is none)."""
+    whole = numel // SIGN_ROW * SIGN_ROW
+    return whole, -(-(numel - whole) // 8)
+
+
 def sign_rows(flat: Tensor, stripe: int) -> Tensor:
     """The planar bytes of whole rows of ``8 * stripe`` elements of ``flat``: bit ``k`` of byte ``b`` of a row is
     ``x >= 0`` of its element ``b + k * stripe``. Each stripe is read contiguously: compiled, whole vectors."""
@@ -221,12 +229,10 @@ def encode_signs(flat: Tensor, rms: bool) -> tuple[Tensor, Tensor]:
     d = max(1, flat.numel())
     work = flat.to(torch.float32)
     magnitude = (torch.linalg.vector_norm(work) if rms else work.abs().sum()) / (d**0.5 if rms else d)
-    whole = flat.numel() // SIGN_ROW * SIGN_ROW
+    whole, stripe = sign_row_split(flat.numel())
     parts = [sign_rows(flat[:whole], SIGN_STRIPE)] if whole else []
-    tail = flat.numel() - whole
-    if tail:
-        stripe = -(-tail // 8)
-        padded = torch.nn.functional.pad(flat[whole:], (0, 8 * stripe - tail), value=-1.0)
+    if stripe:
+        padded = torch.nn.functional.pad(flat[whole:], (0, 8 * stripe - (flat.numel() - whole)), value=-1.0)
         parts.append(sign_rows(padded, stripe))
     bits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
     return magnitude, bits

@@ -40,6 +40,7 @@ from lightning_gradcomp.core.compressors.kernels import (
     SIGN_STRIPE,
     encode_signs,
     mean_of_signs_,
+    sign_row_split,
     subtract_signs_,
 )
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
@@ -47,12 +48,6 @@ from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).view(1, 8, 1)
-
-
-def _rows_at(numel: int) -> tuple[int, int]:
-    """``(whole, stripe)``: the signs in whole rows of a tensor of ``numel``, and its last row's stripe (0 if none)."""
-    whole = numel // SIGN_ROW * SIGN_ROW
-    return whole, -(-(numel - whole) // 8)
 
 
 def _packed_rows(flat: Tensor, stripe: int) -> Tensor:
@@ -66,7 +61,7 @@ def _packed_rows(flat: Tensor, stripe: int) -> Tensor:
 def pack_signs(flat: Tensor) -> Tensor:
     """The planar bytes of ``flat >= 0`` (see the module), eagerly, a chunk of whole rows at a time."""
     numel = flat.numel()
-    whole, stripe = _rows_at(numel)
+    whole, stripe = sign_row_split(numel)
     packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device)
     span = max(1, chunk_for(flat.device, STREAM_CHUNK) // SIGN_ROW) * SIGN_ROW
     for start in range(0, whole, span):
@@ -98,7 +93,7 @@ def signs_at(packed: Tensor, numel: int, first: int, count: int, dtype: torch.dt
     the rows that hold them decoded whole, then cut."""
     if count <= 0:
         return torch.empty(0, dtype=dtype, device=packed.device)
-    whole, stripe = _rows_at(numel)
+    whole, stripe = sign_row_split(numel)
     low, high = first // SIGN_ROW * SIGN_ROW, min(whole, -(-(first + count) // SIGN_ROW) * SIGN_ROW)
     parts = [_signs_of_rows(packed[low // 8 : high // 8], SIGN_STRIPE, dtype)] if high > low else []
     if first + count > whole:
