@@ -32,7 +32,7 @@ from lightning_gradcomp.core.host_waits import host_waits
 from lightning_gradcomp.core.memory import Diana
 from lightning_gradcomp.core.randomness import CounterStream
 
-#: 37 whole blocks of 512 and a partial one: the compiled kernel takes the blocks, the eager chunks the tail.
+#: 37 whole blocks of 512 and a partial one: the compiled kernel takes the whole planar rows, the eager chunks the rest.
 NUMEL = 37 * 512 + 101
 U = torch.finfo(torch.float32).eps / 2  # fp32's unit roundoff
 
@@ -102,14 +102,14 @@ def test_a_compiled_payload_added_into_a_state_is_the_eager_chunks_within_one_ro
     bound = 2 * U * ((0.3 * dense).abs() + eager.abs())
     assert bool(((compiled - eager).abs() <= bound).all()) and not torch.equal(compiled, base)
     assert add_fields_.compiled_calls == calls + 2
-    # a parameter's slice that starts on a block edge runs compiled; one that does not, eagerly (the same sums)
+    # a parameter's slice runs compiled over the whole planar rows inside it (of 2048 ternary codes, 1024 levels),
+    # eagerly at its ends: the same sums; a slice holding no whole row, eagerly throughout
     mode("compiled")
-    aligned = payload.entries().split([512, 4096, NUMEL - 4608])[1]
-    assert torch.equal(aligned.add_to_(base[512:4608].clone()), base[512:4608] + dense[512:4608])
-    assert add_fields_.compiled_calls == calls + 3
-    shifted = payload.entries().split([7, 4096, NUMEL - 4103])[1]
-    assert torch.equal(shifted.add_to_(base[7:4103].clone()), base[7:4103] + dense[7:4103])
-    assert add_fields_.compiled_calls == calls + 3
+    for first, count, compiled_calls in [(512, 4096, 3), (7, 4096, 4), (7, 1000, 4), (2048, 1000, 4)]:
+        part = payload.entries().split([first, count, NUMEL - first - count])[1]
+        expected = base[first : first + count] + dense[first : first + count]
+        assert torch.equal(part.add_to_(base[first : first + count].clone()), expected), (first, count)
+        assert add_fields_.compiled_calls == calls + compiled_calls, (first, count)
 
 
 def test_dianas_compiled_shift_step_writes_the_estimate_exactly_and_the_shift_within_one_rounding(

@@ -171,18 +171,19 @@ def test_a_slice_is_finite_when_the_norms_of_its_own_blocks_are() -> None:
     assert first.all_finite() and not last.all_finite() and not payload.entries().all_finite()
 
 
-@pytest.mark.parametrize("numel", [1, 2, 1001, 2**20 + 3])
-def test_levels_pack_to_the_same_bytes_whatever_the_byte_order(numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("numel", [1, 2, 1001, 1024, 2**20 + 3])
+def test_levels_unpack_from_any_range_of_their_planar_rows(numel: int) -> None:
+    # 4-bit levels in planar rows of 1024: ranges from inside a row, across rows and into the last, partial row
     codes = torch.randint(-7, 8, (numel,), dtype=torch.int8, generator=torch.Generator().manual_seed(numel))
-    lanes = qsgd_module.pack_levels(codes, 7)  # int16 lanes on this (little-endian) machine
-    ranges = [(0, numel), (numel // 3, numel - numel // 3), (1, numel - 1), (numel - 1, 1)]
-    for start, count in ranges:  # read back through int16 lanes too, from even and odd starts
-        assert torch.equal(qsgd_module.unpack_level_range(lanes, start, count, 7), codes[start : start + count])
-    monkeypatch.setattr(qsgd_module, "LITTLE_ENDIAN", False)
-    assert torch.equal(qsgd_module.pack_levels(codes, 7), lanes)
-    assert torch.equal(qsgd_module.unpack_levels(lanes, numel, 7), codes)
-    for start, count in ranges:
-        assert torch.equal(qsgd_module.unpack_level_range(lanes, start, count, 7), codes[start : start + count])
+    packed = qsgd_module.pack_levels(codes, 7)
+    assert packed.numel() == -(-numel // 2)
+    assert torch.equal(qsgd_module.unpack_levels(packed, numel, 7), codes)
+    for start, count in [(0, numel), (numel // 3, numel - numel // 3), (1, numel - 1), (numel - 1, 1)]:
+        got = qsgd_module.unpack_level_range(packed, numel, start, count, 7)
+        assert torch.equal(got, codes[start : start + count]), (start, count)
+    if numel >= 1024:  # level 512 k + b of a row in field k (the high nibble for k = 1) of byte b
+        row = codes[:1024].to(torch.int32) + 7
+        assert torch.equal(packed[:512].to(torch.int32), row[:512] | row[512:] << 4)
 
 
 @pytest.mark.parametrize("levels", [7, 20])

@@ -91,20 +91,17 @@ def test_pack_reads_any_shape_in_flat_order_including_0_dim() -> None:
     assert torch.equal(unpack_2bit(pack_2bit(matrix.transpose(0, 2)), matrix.numel()), matrix.transpose(0, 2).flatten())
 
 
-@pytest.mark.parametrize("numel", [0, 4, 1000, 4096])
-def test_word_and_column_forms_write_the_same_bytes(numel: int) -> None:
-    # the word form (little-endian machines) and the order-free column form must agree byte for byte
-    biased = torch.randint(0, 3, (numel,), generator=torch.Generator().manual_seed(numel), dtype=torch.uint8)
-    packed = ternary._pack_words(biased)
-    assert torch.equal(packed, ternary._pack_columns(biased))
-    assert torch.equal(ternary._unpack_words(packed), biased)
-    assert torch.equal(ternary._unpack_columns(packed), biased)
-
-
 def test_pack_byte_layout_is_fixed() -> None:
-    # code c is stored as c + 1 in bits 2k, 2k+1 of byte i for element 4i + k; padding holds code 0 (bits 01)
+    # code c is stored as c + 1; five codes are one partial planar row of two-byte stripes: field k (bits 2k, 2k+1)
+    # of byte b holds code b + 2k, and the three fields past the end hold code 0 (bits 01)
     codes = torch.tensor([1, 0, -1, 1, -1], dtype=torch.int8)
-    assert pack_2bit(codes).tolist() == [2 | 1 << 2 | 0 << 4 | 2 << 6, 0 | 1 << 2 | 1 << 4 | 1 << 6]
+    assert pack_2bit(codes).tolist() == [2 | 0 << 2 | 0 << 4 | 1 << 6, 1 | 2 << 2 | 1 << 4 | 1 << 6]
+    # a whole row of 2048 codes in 512 bytes: code 512 k + b in field k of byte b
+    row = torch.zeros(2048, dtype=torch.int8)
+    row[3], row[512 + 3], row[1536 + 3] = 1, -1, 1
+    packed = pack_2bit(row)
+    assert packed.numel() == 512 and packed[3].item() == 2 | 0 << 2 | 1 << 4 | 2 << 6
+    assert (packed[torch.arange(512) != 3] == 0b01010101).all()
 
 
 def test_pack_and_unpack_reject_wrong_inputs() -> None:

@@ -13,21 +13,22 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.core.compressors.planar import STRIPE, fields_of_rows, pack_fields, row_split
 from lightning_gradcomp.core.fused import fused
 from lightning_gradcomp.core.randomness import hash_at, hash_counters
 
 __all__ = [
     "add_fields_",
+    "aligned_blocks",
     "clipped_scale",
     "draw_codes",
     "draw_packed_codes",
+    "drawn_whole",
     "encode_signs",
     "field_values",
     "mean_of_fields_",
     "mean_of_signs_",
     "mean_of_summed_fields_",
-    "pack_fields",
-    "packed_fields",
     "shift_and_estimate_",
     "sign_row_split",
     "sign_rows",
@@ -39,23 +40,6 @@ __all__ = [
 
 #: ``q`` (a keep probability times this) is resolved by the top 8 bits of a draw, its fraction by the other 24.
 _LEVELS = 256.0
-
-
-def pack_fields(fields: Tensor, per_byte: int, pad: int) -> Tensor:
-    """Pack the uint8 ``fields`` (each below ``2 ** (8 // per_byte)``) ``per_byte`` to a byte, the first in the lowest
-    bits; the last byte is padded with the field value ``pad``."""
-    short = (-fields.numel()) % per_byte
-    if short:
-        fields = torch.cat([fields, fields.new_full((short,), pad)])
-    if per_byte == 1:
-        return fields
-    # an OR of shifted columns: compiled, one loop over the bytes (a sum over each row of fields does not vectorise)
-    width = 8 // per_byte
-    rows = fields.view(-1, per_byte)
-    packed = rows[:, 0]
-    for k in range(1, per_byte):
-        packed = packed | (rows[:, k] << (width * k))
-    return packed
 
 
 def whole_blocks(numel: int, multipliers: Tensor, block_size: int) -> int:
@@ -132,6 +116,67 @@ def draw_codes(
     return stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
 
 
+def aligned_blocks(block_size: int) -> bool:
+    """Whether blocks of ``block_size`` line up with the planar rows' stripes (one holds the other a whole number of
+    times): then each stripe of a row, or each block within one, has one multiplier, and the compiled kernels draw and
+    decode rows as whole vectors."""
+    return block_size % STRIPE == 0 or STRIPE % block_size == 0
+
+
+def _draw_rows(
+    g: Tensor,
+    multipliers: Tensor,
+    block: Tensor,
+    cap: Tensor | None,
+    first: int,
+    block_size: int,
+    fractional: bool,
+    bias: int,
+    per_byte: int,
+) -> Tensor:
+    """The planar bytes of ``g``, whole rows (and whole blocks where there are several, aligned:
+    :func:`aligned_blocks`): each field plane of each row is drawn as one strided column, element
+    ``r * per_byte * STRIPE + k * STRIPE + b`` with the bits of its own counter (:func:`hash_at`), so that a byte's
+    fields are drawn side by side in one loop over the bytes."""
+    rows, width = g.numel() // (per_byte * STRIPE), 8 // per_byte
+    columns = g.view(rows, per_byte, STRIPE)
+    index = torch.arange(STRIPE, dtype=torch.int32, device=g.device)
+    offsets = per_byte * STRIPE * torch.arange(rows, dtype=torch.int32, device=g.device)[:, None] + index
+    if multipliers.numel() == 1:
+        m = multipliers.reshape(())
+
+        def scaled_in(k: int) -> Callable[[Tensor], Tensor]:
+            return lambda values: values * m.to(values.dtype)
+
+    else:  # one multiplier per run of ``span`` elements: a stripe (blocks of STRIPE or more) or a block within one
+        span, low = min(block_size, STRIPE), first // block_size
+        runs = multipliers[low : low + g.numel() // block_size, None].expand(-1, block_size // span)
+        per_run = runs.reshape(rows, per_byte, STRIPE // span)
+
+        def scaled_in(k: int) -> Callable[[Tensor], Tensor]:
+            column = per_run[:, k, :, None]
+            return lambda values: (values.view(rows, -1, span) * column.to(values.dtype)).view(rows, STRIPE)
+
+    packed = None
+    for k in range(per_byte):
+        codes = _codes_of(columns[:, k], scaled_in(k), hash_at(block, offsets + k * STRIPE), cap, fractional)
+        field = (codes.to(torch.int32) + bias) << (width * k)
+        packed = field if packed is None else packed | field
+    assert packed is not None
+    return packed.to(torch.uint8).reshape(-1)
+
+
+def drawn_whole(numel: int, blocks: int, block_size: int, per_byte: int) -> int:
+    """How many leading elements of a tensor of ``numel`` (``blocks`` multipliers) the compiled
+    :func:`draw_packed_codes` may draw: all, unless there are several blocks no longer than a row, which line up with
+    the rows; then its whole rows, and the caller draws the rest eagerly (inductor 2.13's CPU loop over the last row's
+    stripes, indexed by ``element // block_size`` across a partial block, computed a wrong multiplier there: the
+    case :func:`whole_blocks` guards)."""
+    if blocks == 1 or block_size > per_byte * STRIPE:
+        return numel
+    return numel // (per_byte * STRIPE) * (per_byte * STRIPE)
+
+
 @fused
 def draw_packed_codes(
     g: Tensor,
@@ -145,51 +190,55 @@ def draw_packed_codes(
     per_byte: int,
     pad: int,
 ) -> Tensor:
-    """:func:`stochastic_codes` biased by ``bias`` (in int32: int16 arithmetic does not vectorise) and packed
-    (:func:`pack_fields`) in one kernel: the codes are never written out as int8. Where a byte's fields share a
-    multiplier (one for the tensor, or blocks a multiple of ``per_byte`` long), each byte's ``per_byte`` codes are
-    drawn side by side in one loop over the bytes: the same codes as drawing them all
-    and then packing them in a second loop, which inductor left scalar on the CPU (QSGD's 4-bit levels of 16.7M
-    elements: 35 against 43 ms, one thread)."""
-    if per_byte == 1 or (multipliers.numel() > 1 and block_size % per_byte):
+    """:func:`stochastic_codes` biased by ``bias`` (in int32: int16 arithmetic does not vectorise) and packed in
+    planar rows (:mod:`~lightning_gradcomp.core.compressors.planar`; ``g`` as a tensor of its own, ``first`` a
+    multiple of the rows and, with several multipliers, of the blocks) in one kernel: the codes are never written out
+    as int8. Whole rows of whole blocks are drawn plane by plane (:func:`_draw_rows`); the rest (less than a row, or
+    than a block where blocks are longer) in element order, then packed; blocks that do not line up with the rows'
+    stripes are drawn in element order throughout (eagerly only: compiled, the codecs draw them unpacked with
+    :func:`draw_codes` and pack them eagerly). Compiled, it is called on :func:`drawn_whole` elements."""
+    numel = g.numel()
+    single = multipliers.numel() == 1
+    if per_byte == 1:
         codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
-        return pack_fields((codes.to(torch.int32) + bias).to(torch.uint8), per_byte, pad)
-    # field p of every byte as one strided column: element per_byte * i + p with the bits of its own counter
-    # (hash_at); past g's end the elements are zeros, code 0, field ``bias`` (the caller writes ``pad`` in their place)
-    numel, width = g.numel(), 8 // per_byte
-    if multipliers.numel() == 1:
-        n = -(-numel // per_byte) * per_byte
-        columns = torch.nn.functional.pad(g, (0, n - numel)).view(-1, per_byte)
-        m = multipliers.reshape(())
-        rows = per_byte * torch.arange(n // per_byte, dtype=torch.int32, device=g.device)
+        return (codes.to(torch.int32) + bias).to(torch.uint8)[:numel]
+    if not (single or aligned_blocks(block_size)):
+        codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)[:numel]
+        return pack_fields(codes.to(torch.int32) + bias, per_byte, pad)
+    unit = per_byte * STRIPE if single else max(per_byte * STRIPE, block_size)
+    done = numel // unit * unit
+    parts = []
+    if done:
+        parts.append(_draw_rows(g[:done], multipliers, block, cap, first, block_size, fractional, bias, per_byte))
+    if done < numel:  # the rest: in one block (the tensor's, or a block longer than a row), or whole blocks
+        rest = numel - done
+        if single or block_size > per_byte * STRIPE:
+            m = multipliers.reshape(-1)[0 if single else (first + done) // block_size]
+            values, count = g[done:], rest
 
-        def scaled(values: Tensor) -> Tensor:
-            return values * m.to(values.dtype)
+            def scaled(magnitudes: Tensor) -> Tensor:
+                return magnitudes * m.to(magnitudes.dtype)
 
-    else:
-        n = whole_blocks(numel, multipliers, block_size)
-        blocks, per_row = n // block_size, block_size // per_byte
-        columns = torch.nn.functional.pad(g, (0, n - numel)).view(blocks, per_row, per_byte)
-        low = first // block_size
-        column = multipliers[low : low + blocks, None]
-        starts = block_size * torch.arange(blocks, dtype=torch.int32, device=g.device)
-        rows = starts[:, None] + per_byte * torch.arange(per_row, dtype=torch.int32, device=g.device)
+        else:  # whole blocks, the last padded with zeros (code 0): no index by ``element // block_size``
+            blocks = -(-rest // block_size)
+            count = blocks * block_size
+            values = torch.nn.functional.pad(g[done:], (0, count - rest)).view(blocks, block_size)
+            low = (first + done) // block_size
+            column = multipliers[low : low + blocks, None]
 
-        def scaled(values: Tensor) -> Tensor:
-            return values * column.to(values.dtype)
+            def scaled(magnitudes: Tensor) -> Tensor:
+                return magnitudes * column.to(magnitudes.dtype)
 
-    packed = None
-    for p in range(per_byte):
-        codes = _codes_of(columns[..., p], scaled, hash_at(block, rows + p), cap, fractional)
-        field = (codes.to(torch.int32) + bias) << (width * p)
-        packed = field if packed is None else packed | field
-    assert packed is not None
-    return packed.to(torch.uint8).reshape(-1)
+        offsets = done + torch.arange(count, dtype=torch.int32, device=g.device)
+        codes = _codes_of(values, scaled, hash_at(block, offsets.view(values.shape)), cap, fractional)
+        parts.append(pack_fields(codes.reshape(-1)[:rest].to(torch.int32) + bias, per_byte, pad))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 #: Signs per stripe of the scaled signs' wire (:mod:`~lightning_gradcomp.core.compressors.sign`): a row of ``8 *
-#: SIGN_STRIPE`` signs lies in ``SIGN_STRIPE`` bytes, bit ``k`` of byte ``b`` holding sign ``b + k * SIGN_STRIPE``.
-SIGN_STRIPE = 512
+#: SIGN_STRIPE`` signs lies in ``SIGN_STRIPE`` bytes, bit ``k`` of byte ``b`` holding sign ``b + k * SIGN_STRIPE``
+#: (the planar rows of :mod:`~lightning_gradcomp.core.compressors.planar`, one bit per field).
+SIGN_STRIPE = STRIPE
 #: Signs per whole row.
 SIGN_ROW = 8 * SIGN_STRIPE
 
@@ -197,8 +246,7 @@ SIGN_ROW = 8 * SIGN_STRIPE
 def sign_row_split(numel: int) -> tuple[int, int]:
     """``(whole, stripe)``: how many of ``numel`` signs lie in whole rows, and the stripe of the last, partial row
     (``ceil(m / 8)`` for its ``m`` signs; 0 when there is none)."""
-    whole = numel // SIGN_ROW * SIGN_ROW
-    return whole, -(-(numel - whole) // 8)
+    return row_split(numel, 8)
 
 
 def sign_rows(flat: Tensor, stripe: int) -> Tensor:
@@ -251,56 +299,44 @@ def clipped_scale(g: Tensor, clip_sigma: float) -> Tensor:
     return scale
 
 
-def packed_fields(packed: Tensor, rows: int, row: int, per_byte: int, bias: int) -> Tensor:
-    """The int32 codes of :func:`pack_fields`' bytes, shaped ``(rows, row)``: code ``j`` of a row is its field minus
-    ``bias`` (``row`` a multiple of ``per_byte``, a power of two; ``packed`` exactly the rows' bytes). Compiled, each
-    row reads its bytes where it writes its values: no int8 codes in between. (A field's position is masked out of
-    ``j``, not taken modulo: the modulo kept inductor's CPU loop from vectorising, 2.7x slower.)"""
-    width = 8 // per_byte
-    j = torch.arange(row, dtype=torch.int32, device=packed.device)
-    words = packed.view(rows, row // per_byte)[:, j // per_byte].to(torch.int32)
-    return ((words >> ((j & (per_byte - 1)) * width)) & ((1 << width) - 1)) - bias
-
-
-def field_values(packed: Tensor, scales: Tensor, block_size: int, per_byte: int, bias: int) -> Tensor:
-    """The values of whole blocks of packed codes, shaped ``(blocks, block_size)``: code ``j`` of block ``l`` times
-    ``scales[l]``."""
-    return packed_fields(packed, scales.numel(), block_size, per_byte, bias).to(scales.dtype) * scales[:, None]
+def field_values(packed: Tensor, scales: Tensor, per_byte: int, bias: int) -> Tensor:
+    """The values of whole planar rows of codes (the field minus ``bias``) times their blocks' ``scales``: the rows'
+    codes cut into ``scales.numel()`` equal blocks that line up with the stripes (:func:`aligned_blocks`; one block
+    for a tensor's one scale), shaped ``(blocks, runs, run)`` with ``run`` elements of a stripe per row of it."""
+    codes = fields_of_rows(packed, per_byte, STRIPE) - bias
+    blocks = scales.numel()
+    run = min(codes.numel() // blocks, STRIPE)
+    return codes.to(scales.dtype).view(blocks, -1, run) * scales[:, None, None]
 
 
 @fused
-def mean_of_fields_(
-    out: Tensor, packs: list[Tensor], scales: list[Tensor], block_size: int, per_byte: int, bias: int
-) -> None:
-    """``out`` (flat, whole blocks) becomes the mean of the ranks' decoded codes (:func:`field_values`), summed in
-    rank order then divided by their number: the eager zeroing, adding and dividing in one pass, the same roundings
-    on the CPU (on CUDA, inductor divides by the constant as a product with its reciprocal, and Triton may fuse a
-    multiply-add: a few roundings apart)."""
-    total = field_values(packs[0], scales[0], block_size, per_byte, bias)
+def mean_of_fields_(out: Tensor, packs: list[Tensor], scales: list[Tensor], per_byte: int, bias: int) -> None:
+    """``out`` (flat, whole rows of whole blocks) becomes the mean of the ranks' decoded codes (:func:`field_values`),
+    summed in rank order then divided by their number: the eager zeroing, adding and dividing in one pass, the same
+    roundings on the CPU (on CUDA, inductor divides by the constant as a product with its reciprocal, and Triton may
+    fuse a multiply-add: a few roundings apart)."""
+    total = field_values(packs[0], scales[0], per_byte, bias)
     for rank in range(1, len(packs)):
-        total = total + field_values(packs[rank], scales[rank], block_size, per_byte, bias)
+        total = total + field_values(packs[rank], scales[rank], per_byte, bias)
     out.view(total.shape).copy_(total / len(packs))
 
 
 @fused
-def mean_of_summed_fields_(out: Tensor, packs: list[Tensor], scale: Tensor, row: int, per_byte: int, bias: int) -> None:
-    """``out`` (flat, whole rows of ``row`` codes) becomes ``sum(codes) * S / P`` under one shared scale ``S``
-    (TernGrad's shared scaler, Wen et al., 2017, Sec. 3.2): the ranks' codes summed as integers, scaled once, then
-    divided."""
-    rows = out.numel() // row
-    total = packed_fields(packs[0], rows, row, per_byte, bias)
+def mean_of_summed_fields_(out: Tensor, packs: list[Tensor], scale: Tensor, per_byte: int, bias: int) -> None:
+    """``out`` (flat, whole planar rows) becomes ``sum(codes) * S / P`` under one shared scale ``S`` (TernGrad's shared
+    scaler, Wen et al., 2017, Sec. 3.2): the ranks' codes summed as integers, scaled once, then divided."""
+    total = fields_of_rows(packs[0], per_byte, STRIPE) - bias
     for rank in range(1, len(packs)):
-        total = total + packed_fields(packs[rank], rows, row, per_byte, bias)
-    out.view(rows, row).copy_(total.to(scale.dtype) * scale / len(packs))
+        total = total + (fields_of_rows(packs[rank], per_byte, STRIPE) - bias)
+    out.view(total.shape).copy_(total.to(scale.dtype) * scale / len(packs))
 
 
 @fused
-def add_fields_(
-    out: Tensor, packed: Tensor, scales: Tensor, alpha: Tensor, block_size: int, per_byte: int, bias: int
-) -> None:
-    """``out += alpha * decoded`` over whole blocks (DIANA's ``h_i += alpha * delta_i``, Mishchenko et al., 2019,
-    Algorithm 1) in one pass; ``alpha`` a 0-dim tensor, so that a new step size compiles nothing new."""
-    values = field_values(packed, scales, block_size, per_byte, bias)
+def add_fields_(out: Tensor, packed: Tensor, scales: Tensor, alpha: Tensor, per_byte: int, bias: int) -> None:
+    """``out += alpha * decoded`` over whole planar rows of whole blocks (DIANA's ``h_i += alpha * delta_i``,
+    Mishchenko et al., 2019, Algorithm 1) in one pass; ``alpha`` a 0-dim tensor, so that a new step size compiles
+    nothing new."""
+    values = field_values(packed, scales, per_byte, bias)
     out.view(values.shape).add_(values * alpha)
 
 

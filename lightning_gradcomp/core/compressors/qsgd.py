@@ -13,7 +13,8 @@ so ``E[xi_j] = u_j`` and ``Q`` is unbiased. Its variance is bounded by Lemma 3.1
 whose exact bound ``sqrt(d) - 1`` the quantizer gives; ``s`` generalises it.
 
 Wire: one float32 norm per block, then the levels offset by ``s`` and packed, 4 bits each for
-``s <= 7`` (two per byte) and 8 bits for ``s <= 127``. The paper's Elias coding of the levels
+``s <= 7`` (two per byte, in the planar rows of :mod:`~lightning_gradcomp.core.compressors.planar`: field ``k`` of a
+row's byte ``b`` holds its level ``b + 512 k``) and 8 bits for ``s <= 127``. The paper's Elias coding of the levels
 (Sec. 3.2) is not used: fixed-width codes keep the payload's size a function of the tensor's,
 so the allgather needs no exchange of sizes.
 """
@@ -32,7 +33,6 @@ from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_
 from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.core.compressors.ternary import (
-    LITTLE_ENDIAN,
     CodePacking,
     PackedCodes,
     add_blocks_fused_,
@@ -63,72 +63,26 @@ def codes_nbytes(numel: int, levels: int) -> int:
     return -(-numel // 2) if code_bits(levels) == 4 else numel
 
 
-def pack_levels(codes: Tensor, levels: int, out: Tensor | None = None) -> Tensor:
-    """The wire form of signed levels: ``c + s`` as bytes, two to a byte (low nibble first) for 4-bit codes; in
-    chunks through a small buffer (uint8 arithmetic wraps, so ``c + s`` up to 254 needs no wider type); into
-    ``out`` when given."""
-    biased = codes.reshape(-1).view(torch.uint8)
-    numel = biased.numel()
-    packed = torch.empty(codes_nbytes(numel, levels), dtype=torch.uint8, device=codes.device) if out is None else out
-    if code_bits(levels) == 8:
-        return torch.add(biased, levels, out=packed)
-    span = chunk_for(codes.device, STREAM_CHUNK)
-    scratch = torch.empty(min(numel, span) + 1, dtype=torch.uint8, device=codes.device)
-    for start in range(0, numel, span):  # an even chunk: pairs never straddle two
-        n = min(span, numel - start)
-        chunk = torch.add(biased[start : start + n], levels, out=scratch[:n])
-        if n % 2:
-            scratch[n] = 0
-            chunk = scratch[: n + 1]
-        out = packed[start // 2 : start // 2 + chunk.numel() // 2]
-        if LITTLE_ENDIAN:  # a pair as one int16 lane (low byte first): its low byte becomes lo | hi << 4
-            lanes = chunk.view(torch.int16)
-            out.copy_(lanes | (lanes >> 4))  # c + s <= 14 leaves nothing of lo above bit 3; narrowing keeps the byte
-        else:
-            pairs = chunk.view(-1, 2)
-            torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out)
-    return packed
-
-
 def level_packing(levels: int) -> CodePacking:
-    """How :func:`pack_levels` lays out levels of ``s = levels``: two to a byte up to 7, one beyond."""
-    return CodePacking(
-        8 // code_bits(levels), lambda codes, out: pack_levels(codes, levels, out=out), bias=levels, pad=0
-    )
+    """How levels of ``s = levels`` lie in their bytes: ``c + s``, two to a byte up to 7 (planar rows, padding
+    fields 0), one beyond."""
+    return CodePacking(8 // code_bits(levels), bias=levels, pad=0)
+
+
+def pack_levels(codes: Tensor, levels: int, out: Tensor | None = None) -> Tensor:
+    """The wire form of the int8 signed levels ``codes`` (flat order): ``c + s`` as bytes, two to a byte for 4-bit
+    codes (:func:`level_packing`); into ``out`` when given."""
+    return level_packing(levels).pack(codes, out)
 
 
 def unpack_levels(packed: Tensor, numel: int, levels: int) -> Tensor:
-    """The int8 levels of :func:`pack_levels`' bytes, written pair by pair into the codes (no wider temporary)."""
-    codes = torch.empty(numel, dtype=torch.int8, device=packed.device)
-    biased = codes.view(torch.uint8)
-    if code_bits(levels) == 8:
-        return torch.sub(packed, levels, out=biased).view(torch.int8)
-    whole = numel // 2
-    pairs = biased[: 2 * whole].view(-1, 2)
-    span = chunk_for(packed.device, STREAM_CHUNK)
-    for start in range(0, whole, span):
-        stop = min(start + span, whole)
-        torch.bitwise_and(packed[start:stop], 0xF, out=pairs[start:stop, 0])
-        torch.bitwise_right_shift(packed[start:stop], 4, out=pairs[start:stop, 1])
-    if numel % 2:
-        biased[-1] = packed[-1] & 0xF
-    return biased.sub_(levels).view(torch.int8)
+    """The ``numel`` int8 levels of :func:`pack_levels`' bytes."""
+    return unpack_level_range(packed, numel, 0, numel, levels)
 
 
-def unpack_level_range(packed: Tensor, start: int, count: int, levels: int) -> Tensor:
-    """Levels ``[start, start + count)`` (int8) of :func:`pack_levels`' bytes, unpacked alone."""
-    if code_bits(levels) == 8:
-        return packed[start : start + count].view(torch.int8).sub(levels)
-    first = start // 2
-    chunk = packed[first : -(-(start + count) // 2)]
-    if LITTLE_ENDIAN:  # a byte hi << 4 | lo spread over an int16 lane as hi << 8 | lo: the pair, low nibble first
-        lanes = chunk.to(torch.int16)
-        lanes |= lanes << 4
-        pairs = lanes.bitwise_and_(0x0F0F).view(torch.uint8)
-    else:
-        pairs = torch.stack([chunk & 0xF, chunk >> 4], dim=1).reshape(-1)
-    offset = start - 2 * first
-    return pairs[offset : offset + count].sub_(levels).view(torch.int8)  # uint8 arithmetic wraps to the int8 bits
+def unpack_level_range(packed: Tensor, numel: int, start: int, count: int, levels: int) -> Tensor:
+    """Levels ``[start, start + count)`` (int8) of :func:`pack_levels`' bytes of ``numel`` levels, unpacked alone."""
+    return level_packing(levels).unpack(packed, numel, start, count)
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,14 +103,9 @@ class LevelsPayload(PackedCodes, Payload):
     packed: Tensor | None = None
     wire: Tensor | None = None
 
-    def _unpack_all(self, packed: Tensor) -> Tensor:
-        return unpack_levels(packed, self.numel, self.levels)
-
-    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
-        return unpack_level_range(packed, start, count, self.levels)
-
-    def _pack(self, codes: Tensor) -> Tensor:
-        return pack_levels(codes, self.levels)
+    @property
+    def packing(self) -> CodePacking:
+        return level_packing(self.levels)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -187,7 +136,8 @@ class LevelsPayload(PackedCodes, Payload):
         return scale_blocks_(values, self.norms.to(values.dtype) / self.levels, self.block)
 
     def add_to_(self, out: Tensor, alpha: float = 1.0, first: int = 0) -> Tensor:
-        """``out += alpha * decoded[first : first + out.numel()]``: whole blocks of fp32 in one compiled pass where
+        """``out += alpha * decoded[first : first + out.numel()]``: whole rows of whole blocks of fp32 in one compiled
+        pass where
         kernels run compiled (:func:`~.ternary.add_blocks_fused_`; for ``alpha`` other than 1 it rounds ``alpha * v``
         before adding, where eager torch fuses the two: one rounding apart), the rest decoded chunk by chunk into a
         small buffer: the same products and roundings as adding :meth:`dense` (cast to ``out``'s dtype), no tensor of
@@ -195,24 +145,23 @@ class LevelsPayload(PackedCodes, Payload):
         work = working_dtype(self.dtype)
         scales = self.norms.to(work) / self.levels
         block, n = self.block, out.numel()
-        done = add_blocks_fused_(out, self.packed, scales, alpha, first, block, level_packing(self.levels))
-        if done == n:
-            return out
+        low, high = add_blocks_fused_(out, self.packed, scales, alpha, first, self.numel, block, self.packing)
         span = chunk_for(out.device, STREAM_CHUNK)
-        buffer = torch.empty(min(n - done, span), dtype=work, device=out.device)
-        while done < n:
-            start = first + done
-            # a block edge unless it is the last piece, or blocks are longer than a chunk
-            edge = start - start % block + span
-            end = min(first + n, edge if edge > start else start + span)
-            values = buffer[: end - start].copy_(self.code_range(start, end - start))
-            head = min((-start) % block, end - start)  # the rest of the block ``start`` lies in
-            if head:
-                values[:head].mul_(scales[start // block])
-            scale_blocks_(values[head:], scales[(start + head) // block :], block)
-            target = out[done : done + end - start]
-            target.add_(values if out.dtype == work else values.to(out.dtype), alpha=alpha)
-            done += end - start
+        buffer = torch.empty(min(n - (high - low), span), dtype=work, device=out.device)
+        for done, stop in ((0, low), (high, n)):
+            while done < stop:
+                start = first + done
+                # a block edge unless it is the last piece, or blocks are longer than a chunk
+                edge = start - start % block + span
+                end = min(first + stop, edge if edge > start else start + span)
+                values = buffer[: end - start].copy_(self.code_range(start, end - start))
+                head = min((-start) % block, end - start)  # the rest of the block ``start`` lies in
+                if head:
+                    values[:head].mul_(scales[start // block])
+                scale_blocks_(values[head:], scales[(start + head) // block :], block)
+                target = out[done : done + end - start]
+                target.add_(values if out.dtype == work else values.to(out.dtype), alpha=alpha)
+                done += end - start
         return out
 
     def entries(self) -> LevelsEntries:

@@ -7,16 +7,16 @@ Sec. 3) has one block per layer; DIANA's block p-norm quantizer (Mishchenko et a
 bits each, four per byte, which is 16x smaller than fp32 (the information limit is ``log2(3) =
 1.58`` bits).
 
-Encoding: code ``c`` is stored as the 2-bit value ``c + 1`` (``-1 -> 0``, ``0 -> 1``, ``1 -> 2``);
-element ``4i + k`` of the tensor sits in bits ``2k, 2k+1`` of byte ``i``. Padding elements of the
-last byte hold code 0. The byte layout does not depend on the machine's endianness.
+Encoding: code ``c`` is stored as the 2-bit value ``c + 1`` (``-1 -> 0``, ``0 -> 1``, ``1 -> 2``), in planar rows
+of 2048 codes in 512 bytes (:mod:`~lightning_gradcomp.core.compressors.planar`): field ``k`` (bits ``2k, 2k+1``) of a
+row's byte ``b`` holds its code ``b + 512 k``; the last, partial row is cut into four stripes of a quarter of its
+length, rounded up, and its padding fields hold code 0. The byte layout does not depend on the machine's endianness.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -27,45 +27,44 @@ from torch import Tensor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite, chunk_for, subtract_by_adding
 from lightning_gradcomp.core.compressors.blocks import sparse_nonzero
 from lightning_gradcomp.core.compressors.draws import Draws, random_bytes, uniform
-from lightning_gradcomp.core.compressors.kernels import add_fields_, draw_codes, draw_packed_codes, mean_of_fields_
+from lightning_gradcomp.core.compressors.kernels import (
+    add_fields_,
+    aligned_blocks,
+    draw_codes,
+    draw_packed_codes,
+    drawn_whole,
+    mean_of_fields_,
+)
+from lightning_gradcomp.core.compressors.planar import (
+    STRIPE,
+    field_positions,
+    pack_codes,
+    planar_nbytes,
+    unpack_codes,
+)
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.randomness import CounterStream
 from lightning_gradcomp.core.workspace import Scratch
 
 CODES_PER_BYTE = 4
+#: A ternary code's field holds ``c + 1``.
+TERNARY_BIAS = 1
 
 
 def packed_nbytes(numel: int) -> int:
     """Bytes that :func:`pack_2bit` produces for ``numel`` codes: ``ceil(numel / 4)``."""
-    return -(-numel // CODES_PER_BYTE)
+    return planar_nbytes(numel, CODES_PER_BYTE)
 
 
 def pack_2bit(codes: Tensor, out: Tensor | None = None) -> Tensor:
-    """Pack int8 codes in ``{-1, 0, 1}`` (any shape, read in flat order) into ``ceil(n / 4)`` uint8 bytes
-    (into ``out`` when given).
+    """Pack int8 codes in ``{-1, 0, 1}`` (any shape, read in flat order) into ``ceil(n / 4)`` uint8 bytes in planar
+    rows (into ``out`` when given).
 
     Values outside ``{-1, 0, 1}`` are not checked (that would cost a pass over the codes on the hot
     path) and do not round-trip.
     """
-    if codes.dtype != torch.int8:
-        raise ValueError(f"codes must be an int8 tensor, got {codes.dtype}")
-    flat = codes.reshape(-1)
-    numel = flat.numel()
-    packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8, device=codes.device) if out is None else out
-    # in chunks through one small buffer: no temporaries of the codes' size (their page faults cost more
-    # than the packing on a 25M-element model)
-    span = chunk_for(codes.device, STREAM_CHUNK)
-    biased = torch.empty(min(packed.numel() * CODES_PER_BYTE, span), dtype=torch.uint8, device=codes.device)
-    for start in range(0, numel, span):
-        n = min(span, numel - start)
-        whole = -(-n // CODES_PER_BYTE) * CODES_PER_BYTE
-        # uint8 arithmetic wraps: -1 (0xFF) + 1 = 0, 0 + 1 = 1, 1 + 1 = 2.
-        torch.add(flat[start : start + n].view(torch.uint8), 1, out=biased[:n])
-        biased[n:whole] = 1
-        out = packed[start // CODES_PER_BYTE : (start + whole) // CODES_PER_BYTE]
-        out.copy_(_pack_words(biased[:whole]) if LITTLE_ENDIAN else _pack_columns(biased[:whole]))
-    return packed
+    return pack_codes(codes, CODES_PER_BYTE, TERNARY_BIAS, TERNARY_BIAS, out)
 
 
 def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
@@ -74,24 +73,12 @@ def unpack_2bit(packed: Tensor, numel: int) -> Tensor:
         raise ValueError(f"packed must be a 1-D uint8 tensor, got {packed.dtype} with shape {tuple(packed.shape)}")
     if packed.numel() != packed_nbytes(numel):
         raise ValueError(f"{numel} codes take {packed_nbytes(numel)} bytes, got {packed.numel()}")
-    codes = torch.empty(numel, dtype=torch.int8, device=packed.device)
-    step = chunk_for(packed.device, STREAM_CHUNK) // CODES_PER_BYTE  # packed bytes per chunk
-    for start in range(0, packed.numel(), step):
-        chunk = packed[start : start + step]
-        biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
-        first = start * CODES_PER_BYTE
-        n = min(biased.numel(), numel - first)
-        torch.sub(biased[:n].view(torch.int8), 1, out=codes[first : first + n])
-    return codes
+    return unpack_2bit_range(packed, numel, 0, numel)
 
 
-def unpack_2bit_range(packed: Tensor, start: int, count: int) -> Tensor:
-    """Codes ``[start, start + count)`` (int8) of :func:`pack_2bit`'s bytes, unpacked alone."""
-    first = start // CODES_PER_BYTE
-    chunk = packed[first : -(-(start + count) // CODES_PER_BYTE)]
-    biased = _unpack_words(chunk) if LITTLE_ENDIAN else _unpack_columns(chunk)
-    offset = start - first * CODES_PER_BYTE
-    return biased[offset : offset + count].view(torch.int8).sub(1)
+def unpack_2bit_range(packed: Tensor, numel: int, start: int, count: int) -> Tensor:
+    """Codes ``[start, start + count)`` (int8) of :func:`pack_2bit`'s bytes of ``numel`` codes, unpacked alone."""
+    return unpack_codes(packed, numel, start, count, CODES_PER_BYTE, TERNARY_BIAS)
 
 
 class PackedCodes:
@@ -105,17 +92,12 @@ class PackedCodes:
     packed: Tensor | None
     wire: Tensor | None
 
-    def _unpack_all(self, packed: Tensor) -> Tensor:
-        """Every code of ``packed``, int8."""
+    @property
+    def packing(self) -> CodePacking:
+        """How the codes lie in their bytes."""
         raise NotImplementedError
 
-    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
-        """Codes ``[start, start + count)`` of ``packed``, int8."""
-        raise NotImplementedError
-
-    def _pack(self, codes: Tensor) -> Tensor:
-        """The wire form of int8 ``codes``."""
-        raise NotImplementedError
+    numel: int
 
     @cached_property
     def codes(self) -> Tensor:
@@ -123,21 +105,21 @@ class PackedCodes:
         if self.stored_codes is not None:
             return self.stored_codes
         assert self.packed is not None
-        return self._unpack_all(self.packed)
+        return self.packing.unpack(self.packed, self.numel, 0, self.numel)
 
     def code_range(self, start: int, count: int) -> Tensor:
         """Codes ``[start, start + count)`` (int8): a view of the stored codes, or that range unpacked alone."""
         if self.stored_codes is not None:
             return self.stored_codes[start : start + count]
         assert self.packed is not None
-        return self._unpack_range(self.packed, start, count)
+        return self.packing.unpack(self.packed, self.numel, start, count)
 
     def wire_codes(self) -> Tensor:
         """The codes as they travel: the packed bytes, or the stored codes packed."""
         if self.stored_codes is None:
             assert self.packed is not None
             return self.packed
-        return self._pack(self.stored_codes)
+        return self.packing.pack(self.stored_codes)
 
     def wire_form(self, header: Tensor) -> Tensor:
         """The payload as it travels: :attr:`wire` when the bytes already lie together, else ``header`` (the fp32
@@ -155,84 +137,100 @@ class PackedCodes:
 
 @dataclass(frozen=True)
 class CodePacking:
-    """How a compressor's int8 codes become wire bytes, so that they can be drawn straight into them.
-
-    ``per_byte`` codes share a byte: code ``j`` is the field of ``8 // per_byte`` bits at bit
-    ``(8 // per_byte) * (j % per_byte)`` of byte ``j // per_byte``, holding ``c`` plus the offset ``bias``; the
-    last byte's unused fields hold ``pad``. ``pack(codes, out)`` writes a run of codes that starts at a multiple of
-    ``per_byte`` into its bytes.
-    """
+    """How a compressor's int8 codes become wire bytes (:mod:`~lightning_gradcomp.core.compressors.planar`'s rows), so
+    that they can be drawn straight into them: ``per_byte`` codes share a byte, each field holding ``c`` plus
+    ``bias``; the last row's unused fields hold ``pad``."""
 
     per_byte: int
-    pack: Callable[[Tensor, Tensor], Tensor]
     bias: int
     pad: int
 
+    @property
+    def row(self) -> int:
+        """Codes per whole row."""
+        return self.per_byte * STRIPE
+
     def nbytes(self, numel: int) -> int:
         """Bytes of ``numel`` packed codes."""
-        return -(-numel // self.per_byte)
+        return planar_nbytes(numel, self.per_byte)
 
-    def copy_trimmed_(self, out: Tensor, drawn: Tensor, numel: int) -> Tensor:
-        """``out`` (the bytes of ``numel`` codes) set from ``drawn``, bytes of those codes and maybe more (zero codes,
-        :func:`~lightning_gradcomp.core.compressors.kernels.whole_blocks`): the fields past ``numel`` set to ``pad``."""
-        out.copy_(drawn[: out.numel()])
-        used = numel % self.per_byte
-        if used and self.pad != self.bias:  # a zero code's field is the bias; the wire's last fields are the pad
-            bits = 8 // self.per_byte
-            pad_fields = sum(self.pad << (bits * k) for k in range(used, self.per_byte))
-            out[-1:].bitwise_and_((1 << (bits * used)) - 1).bitwise_or_(pad_fields)
-        return out
+    def pack(self, codes: Tensor, out: Tensor | None = None) -> Tensor:
+        """The bytes of the int8 ``codes`` as a tensor of their own (into ``out`` when given): a run of codes that
+        starts on a row, packed into its bytes."""
+        return pack_codes(codes, self.per_byte, self.bias, self.pad, out)
 
-    def step_(self, packed: Tensor, positions: Tensor, steps: Tensor) -> Tensor:
-        """Add the small int8 ``steps`` to the codes at ``positions`` (int64), in their bytes, in place.
+    def unpack(self, packed: Tensor, numel: int, start: int, count: int) -> Tensor:
+        """Codes ``[start, start + count)`` (int8) of the bytes ``packed`` of ``numel`` codes."""
+        return unpack_codes(packed, numel, start, count, self.per_byte, self.bias)
+
+    def step_(self, packed: Tensor, numel: int, positions: Tensor, steps: Tensor) -> Tensor:
+        """Add the small int8 ``steps`` to codes ``positions`` (int64) of the bytes ``packed`` of ``numel`` codes, in
+        place.
 
         A field holds ``c`` plus an offset, so a step that keeps the code in its range never carries into the next
         field: adding ``step << shift`` to the byte (uint8 arithmetic wraps) is exact, and steps into one byte add up.
         """
-        bits = 8 // self.per_byte
-        shifted = steps.to(torch.int32) << (positions % self.per_byte).to(torch.int32) * bits
-        return packed.index_add_(0, positions // self.per_byte, shifted.to(torch.uint8))
+        byte, shift = field_positions(positions, numel, self.per_byte)
+        return packed.index_add_(0, byte, (steps.to(torch.int32) << shift).to(torch.uint8))
 
 
 #: Ternary codes at 2 bits each (:func:`pack_2bit`).
-TERNARY_PACKING = CodePacking(CODES_PER_BYTE, lambda codes, out: pack_2bit(codes, out=out), bias=1, pad=1)
+TERNARY_PACKING = CodePacking(CODES_PER_BYTE, bias=TERNARY_BIAS, pad=TERNARY_BIAS)
 
 
-def fused_blocks(out: Tensor, packed: Tensor | None, start: int, block_size: int, per_byte: int) -> int:
-    """How many leading elements of the flat ``out`` (codes ``start`` on) a compiled kernel decodes in one pass: its
-    whole blocks, where kernels run compiled, ``out`` is float32, the codes are packed and whole blocks start on whole
-    bytes; else 0 (the eager chunks decode the rest)."""
-    if packed is None or out.dtype != torch.float32 or start % block_size or block_size % per_byte:
-        return 0
-    return out.numel() // block_size * block_size if compiles_on(out.device) else 0
+def fused_span(
+    out: Tensor, packed: Tensor | None, start: int, numel: int, block_size: int, packing: CodePacking
+) -> tuple[int, int]:
+    """``(low, high)``: the elements of the flat ``out`` (codes ``start`` on, of a tensor of ``numel`` codes) that a
+    compiled kernel decodes in one pass: the whole rows of whole blocks inside it (a tensor of one block: whole rows),
+    where kernels run compiled, ``out`` is float32, the codes are packed and the blocks line up with the rows
+    (:func:`~lightning_gradcomp.core.compressors.kernels.aligned_blocks`); else ``(0, 0)``. The eager chunks decode
+    the rest, before and after."""
+    single = block_size >= numel
+    if packed is None or out.dtype != torch.float32 or not compiles_on(out.device):
+        return 0, 0
+    if not (single or aligned_blocks(block_size)):
+        return 0, 0
+    unit = packing.row if single else max(packing.row, block_size)
+    stop = min(start + out.numel(), numel // packing.row * packing.row)
+    low, high = -(-start // unit) * unit, stop // unit * unit
+    return (low - start, high - start) if high > low else (0, 0)
 
 
 def add_blocks_fused_(
-    out: Tensor, packed: Tensor, scales: Tensor, alpha: float, start: int, block_size: int, packing: CodePacking
-) -> int:
-    """``out += alpha * decoded`` over :func:`fused_blocks` of ``out`` in one compiled pass (fp32 scales); returns how
-    many elements that took (the caller decodes the rest)."""
-    done = fused_blocks(out, packed, start, block_size, packing.per_byte) if scales.dtype == torch.float32 else 0
-    if done:
-        per_byte, first = packing.per_byte, start // block_size
-        codes = packed[start // per_byte : (start + done) // per_byte]
+    out: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    alpha: float,
+    start: int,
+    numel: int,
+    block_size: int,
+    packing: CodePacking,
+) -> tuple[int, int]:
+    """``out += alpha * decoded`` over the :func:`fused_span` of ``out`` in one compiled pass (fp32 scales); returns
+    that span (the caller decodes the rest)."""
+    low, high = fused_span(out, packed, start, numel, block_size, packing) if scales.dtype == torch.float32 else (0, 0)
+    if high > low:
+        first, last = start + low, start + high
+        codes = packed[first // packing.per_byte : last // packing.per_byte]
         step = torch.full((), alpha, dtype=torch.float32, device=out.device)
-        blocks = scales[first : first + done // block_size]
-        add_fields_(out[:done], codes, blocks, step, block_size, per_byte, packing.bias)
-    return done
+        blocks = scales[:1] if block_size >= numel else scales[first // block_size : last // block_size]
+        add_fields_(out[low:high], codes, blocks, step, packing.per_byte, packing.bias)
+    return low, high
 
 
 def mean_of_blocks_fused_(
     out: Tensor, packs: Sequence[Tensor | None], scales: Sequence[Tensor], block_size: int, packing: CodePacking
 ) -> int:
-    """``out`` becomes the mean of the ranks' decoded codes over :func:`fused_blocks` of it, in one compiled pass
-    (summed in rank order, then divided: the eager roundings on the CPU, a few roundings apart on CUDA); returns how
-    many elements that took."""
-    done = min(fused_blocks(out, codes, 0, block_size, packing.per_byte) for codes in packs)
+    """``out`` becomes the mean of the ranks' decoded codes over the leading :func:`fused_span` of it, in one compiled
+    pass (summed in rank order, then divided: the eager roundings on the CPU, a few roundings apart on CUDA); returns
+    how many elements that took."""
+    numel = out.numel()
+    done = min(fused_span(out, codes, 0, numel, block_size, packing)[1] for codes in packs)
     if done and all(s.dtype == torch.float32 for s in scales):
-        nbytes, blocks = done // packing.per_byte, done // block_size
-        codes = [c[:nbytes] for c in packs if c is not None]
-        mean_of_fields_(out[:done], codes, [s[:blocks] for s in scales], block_size, packing.per_byte, packing.bias)
+        blocks = 1 if block_size >= numel else done // block_size
+        codes = [c[: done // packing.per_byte] for c in packs if c is not None]
+        mean_of_fields_(out[:done], codes, [s[:blocks] for s in scales], packing.per_byte, packing.bias)
         return done
     return 0
 
@@ -252,47 +250,6 @@ def own_wire(
         wire = scratch("own payload", nbytes, torch.uint8, device)
     kept_header = wire[:front].view(torch.float32).copy_(header.reshape(-1))
     return wire, kept_header, wire[front:]
-
-
-# Two implementations of the same byte layout. The word form works on contiguous int32 lanes (about
-# 4x faster while the data sits in cache) but relies on little-endian byte order inside a word; the
-# column form is order-free. Tests check that both give the same bytes.
-LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-def _pack_words(biased: Tensor) -> Tensor:
-    """Pack 2-bit values (uint8, length a multiple of 4) by folding each int32 word's four bytes into one."""
-    words = biased.view(torch.int32)
-    # byte k of a word holds its value in bits 8k, 8k+1: move them to bits 2k, 2k+1 of the low byte
-    folded = words | (words >> 6)
-    folded |= folded >> 12
-    return folded.to(torch.uint8)  # keeps the low byte (integer narrowing wraps)
-
-
-def _pack_columns(biased: Tensor) -> Tensor:
-    """Pack 2-bit values (uint8, length a multiple of 4) column by column: any byte order."""
-    columns = biased.view(-1, CODES_PER_BYTE)
-    packed = columns[:, 0] | (columns[:, 1] << 2)
-    packed |= columns[:, 2] << 4
-    packed |= columns[:, 3] << 6
-    return packed
-
-
-def _unpack_words(packed: Tensor) -> Tensor:
-    """2-bit values (uint8, 4 per packed byte) by spreading each byte over the four bytes of an int32 word."""
-    words = packed.to(torch.int32)
-    words |= words << 12
-    words |= words << 6
-    words &= 0x03030303
-    return words.view(torch.uint8)
-
-
-def _unpack_columns(packed: Tensor) -> Tensor:
-    """2-bit values (uint8, 4 per packed byte), one bit position at a time: any byte order."""
-    columns = torch.empty(packed.numel(), CODES_PER_BYTE, dtype=torch.uint8, device=packed.device)
-    for k in range(CODES_PER_BYTE):
-        torch.bitwise_and(packed >> (2 * k), 3, out=columns[:, k])
-    return columns.view(-1)
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -402,8 +359,9 @@ def _stochastic_codes(
     if isinstance(generator, CounterStream):
         return _counter_codes(g, multipliers, block_size, generator, cap, fractional, packing, packed)
     numel = g.numel()
-    # whole blocks per chunk when there are several, and whole random words (so whole packed bytes)
-    step = 8 if block_size >= numel else math.lcm(block_size, 8)
+    # whole blocks per chunk when there are several, and whole random words (and whole rows, when packed)
+    step = 8 if packing is None else packing.row
+    step = step if block_size >= numel else math.lcm(block_size, step)
     chunk = step * max(1, chunk_for(g.device, ENCODE_CHUNK) // step)
     size = min(chunk, numel)
     if packed is None:
@@ -457,7 +415,7 @@ def _stochastic_codes(
             out.copy_(torch.sign(g[start:stop], out=q)).mul_(kept.view(torch.int8))  # q is free: ties are taken
         if packed is not None:
             assert packing is not None
-            packing.pack(out, packed[start // packing.per_byte : packing.nbytes(stop)])
+            packing.pack(out, packed[start // packing.per_byte : packing.nbytes(stop)])  # a chunk of whole rows
     if tie_indices:  # a tie steps one level away from zero where its second uniform wins
         ties = torch.cat(tie_indices)
         second = uniform(generator, ties.numel(), g.device)
@@ -467,7 +425,7 @@ def _stochastic_codes(
             codes.index_add_(0, ties, steps)
         else:
             assert packing is not None
-            packing.step_(packed, ties, steps)
+            packing.step_(packed, numel, ties, steps)
     return codes if packed is None else packed
 
 
@@ -493,11 +451,21 @@ def _counter_codes(
     if compiles_on(g.device):
         if packed is None:
             return draw_codes(g, multipliers, block, cap, 0, block_size, fractional)[:numel]
-        assert packing is not None
-        drawn = draw_packed_codes(g, multipliers, block, cap, 0, block_size, fractional, *layout)
-        return packing.copy_trimmed_(packed, drawn, numel)
+        if multipliers.numel() > 1 and not aligned_blocks(block_size):  # element order, packed eagerly
+            return packing.pack(draw_codes(g, multipliers, block, cap, 0, block_size, fractional)[:numel], packed)
+        done = drawn_whole(numel, multipliers.numel(), block_size, packing.per_byte)
+        if done:
+            drawn = draw_packed_codes(g[:done], multipliers, block, cap, 0, block_size, fractional, *layout)
+            packed[: packing.nbytes(done)].copy_(drawn)
+        if done < numel:  # the last, partial row across several blocks, eagerly (drawn_whole says why)
+            piece = block.clone()
+            piece[2] += done
+            rest = (g[done:], multipliers, piece, cap, done, block_size, fractional, *layout)
+            packed[packing.nbytes(done) :] = draw_packed_codes.eager(*rest)
+        return packed
     codes = torch.empty(numel if packed is None else 0, dtype=torch.int8, device=g.device)
-    unit = 8 if multipliers.numel() == 1 else math.lcm(block_size, 8)  # whole bytes, and whole blocks if several
+    unit = 8 if packing is None else packing.row  # whole words, whole rows when packed, and whole blocks if several
+    unit = unit if multipliers.numel() == 1 else math.lcm(block_size, unit)
     chunk = max(1, chunk_for(g.device, ENCODE_CHUNK) // unit) * unit
     for start in range(0, numel, chunk):
         stop = min(start + chunk, numel)
@@ -508,8 +476,7 @@ def _counter_codes(
             codes[start:stop] = draw_codes.eager(*arguments)[: stop - start]
         else:
             assert packing is not None
-            drawn = draw_packed_codes.eager(*arguments, *layout)
-            packing.copy_trimmed_(packed[start // packing.per_byte : packing.nbytes(stop)], drawn, stop - start)
+            packed[start // packing.per_byte : packing.nbytes(stop)] = draw_packed_codes.eager(*arguments, *layout)
     return codes if packed is None else packed
 
 
@@ -529,7 +496,7 @@ class TernaryPayload(PackedCodes, Payload):
         dtype: the gradient's dtype, which decoding returns.
         block_size: elements per scale (the last block may be shorter).
         shared: whether ``scales`` is a scale agreed on by every rank (TernGrad's scaler sharing).
-        packed: the codes as they travel (:func:`pack_2bit`), when they were drawn or received packed.
+        packed: the codes as they travel (:func:`pack_2bit`'s planar rows), when they were drawn or received packed.
         wire: the whole wire form, when the scales and packed codes lie in it (drawn or received so).
     """
 
@@ -542,14 +509,9 @@ class TernaryPayload(PackedCodes, Payload):
     packed: Tensor | None = None
     wire: Tensor | None = None
 
-    def _unpack_all(self, packed: Tensor) -> Tensor:
-        return unpack_2bit(packed, self.numel)
-
-    def _unpack_range(self, packed: Tensor, start: int, count: int) -> Tensor:
-        return unpack_2bit_range(packed, start, count)
-
-    def _pack(self, codes: Tensor) -> Tensor:
-        return pack_2bit(codes)
+    @property
+    def packing(self) -> CodePacking:
+        return TERNARY_PACKING
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -582,28 +544,27 @@ class TernaryPayload(PackedCodes, Payload):
     def add_to_(self, out: Tensor, alpha: float = 1.0, start: int = 0) -> Tensor:
         """``out += alpha * codes * scale`` for elements ``[start, start + len(out))`` (flat ``out``).
 
-        Each ``codes * scale`` is exact (codes are 0 or +-1). Where kernels run compiled, whole blocks of fp32 take one
-        fused pass (:func:`add_blocks_fused_`). Else, in ``out``'s own dtype when that is
+        Each ``codes * scale`` is exact (codes are 0 or +-1). Where kernels run compiled, the whole rows of whole
+        blocks of fp32 take one fused pass (:func:`add_blocks_fused_`). The rest, in ``out``'s own dtype when that is
         the working precision (fp32, fp64): the codes go through a cache-sized float scratch (an
         int8 operand would send ``addcmul_`` down a casting path four times slower), then one fused
         ``addcmul_`` per run of whole blocks. Otherwise (fp16, bf16) the decoded slice is rounded
         to the gradient's dtype first, as :meth:`dense` gives it, then added.
         """
         work = working_dtype(out.dtype)
-        numel, size = out.numel(), self.block_size
+        count, size = out.numel(), self.block_size
         if out.dtype != work:
-            return out.add_(self.decode_range(start, numel), alpha=alpha)
+            return out.add_(self.decode_range(start, count), alpha=alpha)
         scales = self.scales.to(work)
-        done = add_blocks_fused_(out, self.packed, scales, alpha, start, size, TERNARY_PACKING)
-        if done == numel:
-            return out
+        low, high = add_blocks_fused_(out, self.packed, scales, alpha, start, self.numel, size, TERNARY_PACKING)
         limit = chunk_for(out.device, ENCODE_CHUNK)
         chunk = size * max(1, limit // size) if size <= limit else limit
-        scratch = torch.empty(min(chunk, numel - done), dtype=work, device=out.device)
-        for offset in range(done, numel, chunk):
-            n = min(chunk, numel - offset)
-            codes = scratch[:n].copy_(self.code_range(start + offset, n))
-            _add_scaled_(out[offset : offset + n], codes, scales, size, start + offset, alpha)
+        scratch = torch.empty(min(chunk, count - (high - low)), dtype=work, device=out.device)
+        for first, last in ((0, low), (high, count)):
+            for offset in range(first, last, chunk):
+                n = min(chunk, last - offset)
+                codes = scratch[:n].copy_(self.code_range(start + offset, n))
+                _add_scaled_(out[offset : offset + n], codes, scales, size, start + offset, alpha)
         return out
 
     def decode_range(self, start: int, numel: int) -> Tensor:

@@ -41,10 +41,6 @@ from lightning_gradcomp.core.workspace import Scratch
 INT8_WORLD_LIMIT = 127
 
 
-#: Codes per row of the compiled mean of summed codes (a multiple of four, the codes per byte).
-SUMMED_ROW = 512
-
-
 def _summed_codes(payloads: Sequence[Payload], start: int, count: int) -> Tensor:
     """Every rank's codes ``[start, start + count)`` summed as integers (int8 holds up to 127 ranks' codes in
     ``{-1, 0, 1}``; int32 beyond)."""
@@ -214,18 +210,18 @@ class TernGradCompressor(Compressor):
         return out
 
     def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
-        """The mean under one shared scaler: whole rows of :data:`SUMMED_ROW` codes in one compiled pass where
-        kernels run compiled (the codes summed as integers, scaled once, divided: :meth:`accumulate_all`'s
-        roundings), the rest eagerly; per-rank scalers as :meth:`accumulate_all` then a division."""
+        """The mean under one shared scaler: the codes' whole planar rows in one compiled pass where kernels run
+        compiled (the codes summed as integers, scaled once, divided: :meth:`accumulate_all`'s roundings), the last,
+        partial row eagerly; per-rank scalers as :meth:`accumulate_all` then a division."""
         packed = [p.packed for p in payloads if isinstance(p, TernaryPayload) and p.packed is not None]
-        done = out.numel() // SUMMED_ROW * SUMMED_ROW
+        done = out.numel() // TERNARY_PACKING.row * TERNARY_PACKING.row
         fusable = done and len(packed) == len(payloads) and out.dtype == torch.float32 and compiles_on(out.device)
         shared = one_scaler(payloads) if fusable else None
         if shared is None:
             return super().average_all(payloads, out, world)
         scale, per_byte = shared.to(torch.float32), TERNARY_PACKING.per_byte
         codes = [c[: done // per_byte] for c in packed]
-        mean_of_summed_fields_(out[:done], codes, scale, SUMMED_ROW, per_byte, TERNARY_PACKING.bias)
+        mean_of_summed_fields_(out[:done], codes, scale, per_byte, TERNARY_PACKING.bias)
         if done < out.numel():
             out[done:].copy_(_summed_codes(payloads, done, out.numel() - done)).mul_(scale).div_(world)
         return out
