@@ -16,7 +16,7 @@ of the traffic):
 Each interleaved prototype (the kernel as it was) gives the library's result on the same codes, and its draw the
 library's codes, element for element (checked before timing). The prototypes are not wire formats the library reads.
 
-    python benchmarks/field_layout.py --json benchmarks/results/field_layout_cpu.json
+    python benchmarks/field_layout.py --json benchmarks/results/field_layout_planar_cpu.json
 """
 
 from __future__ import annotations
