@@ -91,13 +91,12 @@ class PackedCodes:
     stored_codes: Tensor | None
     packed: Tensor | None
     wire: Tensor | None
+    numel: int  # the payload's element count (:class:`~lightning_gradcomp.core.compressors.base.Payload`'s)
 
     @property
     def packing(self) -> CodePacking:
         """How the codes lie in their bytes."""
         raise NotImplementedError
-
-    numel: int
 
     @cached_property
     def codes(self) -> Tensor:
