@@ -10,7 +10,7 @@ import torch
 
 import lightning_gradcomp.core.fused as fused_module
 from lightning_gradcomp.core.compressors import QSGDCompressor
-from lightning_gradcomp.core.compressors.kernels import draw_codes, draw_packed_codes, stochastic_codes
+from lightning_gradcomp.core.compressors.kernels import draw_codes, draw_packed_codes, mean_of_fields_, stochastic_codes
 from lightning_gradcomp.core.compressors.planar import (
     STRIPE,
     field_positions,
@@ -145,9 +145,11 @@ def test_compiled_means_and_adds_over_any_aligned_blocks_are_the_eager_sums(mode
         payload = compressor.compress(x, CounterStream(10 + rank))
         payloads.append(compressor.unpack(payload.to_bytes().clone(), x.shape, x.dtype))
     means, added = [], []
+    calls = mean_of_fields_.compiled_calls
     for codecs in ("compiled", "eager"):
         mode(codecs)
         means.append(compressor.average_all(payloads, torch.full((numel,), 5.0), 2))
+        assert mean_of_fields_.compiled_calls == calls + 1  # the quantizer's ternary mean is one pass too
         added.append(payloads[0].entries().split([100, numel - 200, 100])[1].add_to_(torch.ones(numel - 200)))
     assert torch.equal(means[0], means[1]) and torch.equal(added[0], added[1])
     dense = [compressor.decompress(p) for p in payloads]

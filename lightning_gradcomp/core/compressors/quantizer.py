@@ -30,6 +30,7 @@ Summing over blocks, ``E||Q(x) - x||^2 <= omega(max_l d_l) ||x||^2``; the larges
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -39,6 +40,7 @@ from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.ternary import (
     TERNARY_PACKING,
     TernaryPayload,
+    mean_of_blocks_fused_,
     num_blocks,
     own_wire,
     packed_nbytes,
@@ -150,6 +152,22 @@ class BlockQuantizer(Compressor):
         """Add ``codes * norm`` into ``out`` (computed in fp32, rounded once to ``out``'s dtype)."""
         assert isinstance(payload, TernaryPayload)
         return payload.add_to_(out)
+
+    def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
+        """The mean of the ranks' codes times their block norms: the whole planar rows in one compiled pass where
+        kernels run compiled (:func:`~.ternary.mean_of_blocks_fused_`: summed in rank order, then divided, as the
+        eager path), the rest as :meth:`accumulate_all` then a division."""
+        ternary = [p for p in payloads if isinstance(p, TernaryPayload)]
+        if len(ternary) < len(payloads) or not ternary:
+            return super().average_all(payloads, out, world)
+        scales = [p.scales for p in ternary]
+        done = mean_of_blocks_fused_(out, [p.packed for p in ternary], scales, ternary[0].block_size, TERNARY_PACKING)
+        if done < out.numel():
+            rest = out[done:].zero_()
+            for payload in ternary:
+                payload.add_to_(rest, start=done)
+            rest.div_(world)
+        return out
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, TernaryPayload)
