@@ -116,11 +116,13 @@ def draw_codes(
     return stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
 
 
-def aligned_blocks(block_size: int) -> bool:
-    """Whether blocks of ``block_size`` line up with the planar rows' stripes (one holds the other a whole number of
-    times): then each stripe of a row, or each block within one, has one multiplier, and the compiled kernels draw and
-    decode rows as whole vectors."""
-    return block_size % STRIPE == 0 or STRIPE % block_size == 0
+def aligned_blocks(block_size: int, per_byte: int) -> bool:
+    """Whether blocks of ``block_size`` line up with the planar rows of ``per_byte * STRIPE`` codes (one holds the
+    other a whole number of times; rows are powers of two, so a block within a row also lies within a stripe or holds
+    whole ones): then each stripe of a row, or each block within one, has one multiplier, and the compiled kernels
+    draw and decode rows as whole vectors."""
+    row = per_byte * STRIPE
+    return block_size % row == 0 or row % block_size == 0
 
 
 def _draw_rows(
@@ -195,14 +197,14 @@ def draw_packed_codes(
     multiple of the rows and, with several multipliers, of the blocks) in one kernel: the codes are never written out
     as int8. Whole rows of whole blocks are drawn plane by plane (:func:`_draw_rows`); the rest (less than a row, or
     than a block where blocks are longer) in element order, then packed; blocks that do not line up with the rows'
-    stripes are drawn in element order throughout (eagerly only: compiled, the codecs draw them unpacked with
-    :func:`draw_codes` and pack them eagerly). Compiled, it is called on :func:`drawn_whole` elements."""
+    rows are drawn in element order throughout (eagerly only: the codecs draw such blocks in eager chunks). Compiled,
+    it is called on :func:`drawn_whole` elements."""
     numel = g.numel()
     single = multipliers.numel() == 1
     if per_byte == 1:
         codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
         return (codes.to(torch.int32) + bias).to(torch.uint8)[:numel]
-    if not (single or aligned_blocks(block_size)):
+    if not (single or aligned_blocks(block_size, per_byte)):
         codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)[:numel]
         return pack_fields(codes.to(torch.int32) + bias, per_byte, pad)
     unit = per_byte * STRIPE if single else max(per_byte * STRIPE, block_size)

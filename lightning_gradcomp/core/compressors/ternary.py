@@ -188,7 +188,7 @@ def fused_span(
     single = block_size >= numel
     if packed is None or out.dtype != torch.float32 or not compiles_on(out.device):
         return 0, 0
-    if not (single or aligned_blocks(block_size)):
+    if not (single or aligned_blocks(block_size, packing.per_byte)):
         return 0, 0
     unit = packing.row if single else max(packing.row, block_size)
     stop = min(start + out.numel(), numel // packing.row * packing.row)
@@ -263,6 +263,16 @@ def scale_blocks_(values: Tensor, scales: Tensor, block_size: int) -> Tensor:
         values[: full * block_size].view(full, block_size).mul_(scales[:full, None])
     if values.numel() > full * block_size:
         values[full * block_size :].mul_(scales[full])
+    return values
+
+
+def scale_run_(values: Tensor, scales: Tensor, block_size: int, start: int) -> Tensor:
+    """Multiply the flat ``values``, elements ``start ..`` of a tensor cut into blocks of ``block_size``, in place by
+    their block's entry of ``scales`` (a partial first block, then :func:`scale_blocks_`) and return them."""
+    head = min(values.numel(), -start % block_size)
+    if head:
+        values[:head].mul_(scales[start // block_size])
+    scale_blocks_(values[head:], scales[(start + head) // block_size :], block_size)
     return values
 
 
@@ -358,9 +368,9 @@ def _stochastic_codes(
     if isinstance(generator, CounterStream):
         return _counter_codes(g, multipliers, block_size, generator, cap, fractional, packing, packed)
     numel = g.numel()
-    # whole blocks per chunk when there are several, and whole random words (and whole rows, when packed)
-    step = 8 if packing is None else packing.row
-    step = step if block_size >= numel else math.lcm(block_size, step)
+    # whole random words per chunk; whole rows when packed (a chunk may start inside a block), else whole blocks
+    step = 8 if block_size >= numel else math.lcm(block_size, 8)
+    step = step if packing is None else packing.row
     chunk = step * max(1, chunk_for(g.device, ENCODE_CHUNK) // step)
     size = min(chunk, numel)
     if packed is None:
@@ -384,9 +394,8 @@ def _stochastic_codes(
         n = stop - start
         q, n16, n8, kept, tie = level[:n], floors16[:n], floors[:n], keep[:n], tied[:n]
         draws = random_bytes(generator, n, g.device)
-        blocks = multipliers[start // block_size : -(-stop // block_size)]
         if fractional:  # the level below u, and the fraction above it as a probability out of 256 (exact)
-            u = scale_blocks_(torch.abs(g[start:stop], out=wide[:n]), blocks, block_size)
+            u = scale_run_(torch.abs(g[start:stop], out=wide[:n]), multipliers, block_size, start)
             if cap is not None:
                 u.clamp_(max=cap)
             q.copy_(u.sub_(torch.floor(u, out=below[:n]))).mul_(DRAW_LEVELS)
@@ -394,7 +403,7 @@ def _stochastic_codes(
             torch.abs(g[start:stop], out=q)
             if cap is not None:
                 q.clamp_(max=cap)
-            scale_blocks_(q, blocks, block_size)
+            scale_run_(q, multipliers, block_size, start)
         # n_j as a byte: q >= 256 (probability 1) becomes 256 and then n = 255, whose tie V < q - n = 1 is
         # sure. (float -> int16 -> uint8 is four times faster than float -> uint8 here.)
         n16.copy_(q.clamp_(max=DRAW_LEVELS)).clamp_(max=DRAW_LEVELS - 1)
@@ -447,11 +456,13 @@ def _counter_codes(
     if packed is not None:
         assert packing is not None and packed.numel() == packing.nbytes(numel)
         layout = (packing.bias, packing.per_byte, packing.pad)
-    if compiles_on(g.device):
+    several = multipliers.numel() > 1
+    # blocks that do not line up with the rows run in eager chunks: no compiled kernel packs them
+    aligned = packing is None or not several or aligned_blocks(block_size, packing.per_byte)
+    if compiles_on(g.device) and aligned:
         if packed is None:
             return draw_codes(g, multipliers, block, cap, 0, block_size, fractional)[:numel]
-        if multipliers.numel() > 1 and not aligned_blocks(block_size):  # element order, packed eagerly
-            return packing.pack(draw_codes(g, multipliers, block, cap, 0, block_size, fractional)[:numel], packed)
+        assert packing is not None
         done = drawn_whole(numel, multipliers.numel(), block_size, packing.per_byte)
         if done:
             drawn = draw_packed_codes(g[:done], multipliers, block, cap, 0, block_size, fractional, *layout)
@@ -463,19 +474,25 @@ def _counter_codes(
             packed[packing.nbytes(done) :] = draw_packed_codes.eager(*rest)
         return packed
     codes = torch.empty(numel if packed is None else 0, dtype=torch.int8, device=g.device)
-    unit = 8 if packing is None else packing.row  # whole words, whole rows when packed, and whole blocks if several
-    unit = unit if multipliers.numel() == 1 else math.lcm(block_size, unit)
+    # whole bytes (whole rows when packed), and whole blocks if several and they line up; else a chunk starts inside
+    # a block and its draw begins at the block's start (``head`` codes drawn again, dropped)
+    unit = 8 if packing is None else packing.row
+    unit = math.lcm(block_size, unit) if several and aligned else unit
     chunk = max(1, chunk_for(g.device, ENCODE_CHUNK) // unit) * unit
     for start in range(0, numel, chunk):
         stop = min(start + chunk, numel)
+        head = start % block_size if several else 0
         piece = block.clone()
-        piece[2] += start
-        arguments = (g[start:stop], multipliers, piece, cap, start, block_size, fractional)
+        piece[2] += start - head
+        arguments = (g[start - head : stop], multipliers, piece, cap, start - head, block_size, fractional)
         if packed is None:
-            codes[start:stop] = draw_codes.eager(*arguments)[: stop - start]
+            codes[start:stop] = draw_codes.eager(*arguments)[head : head + stop - start]
+        elif aligned:
+            packed[start // packing.per_byte : packing.nbytes(stop)] = draw_packed_codes.eager(*arguments, *layout)
         else:
             assert packing is not None
-            packed[start // packing.per_byte : packing.nbytes(stop)] = draw_packed_codes.eager(*arguments, *layout)
+            drawn = draw_codes.eager(*arguments)[head : head + stop - start]
+            packing.pack(drawn, packed[start // packing.per_byte : packing.nbytes(stop)])
     return codes if packed is None else packed
 
 
