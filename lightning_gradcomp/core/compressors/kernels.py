@@ -196,9 +196,9 @@ def draw_packed_codes(
     planar rows (:mod:`~lightning_gradcomp.core.compressors.planar`; ``g`` as a tensor of its own, ``first`` a
     multiple of the rows and, with several multipliers, of the blocks) in one kernel: the codes are never written out
     as int8. Whole rows of whole blocks are drawn plane by plane (:func:`_draw_rows`); the rest (less than a row, or
-    than a block where blocks are longer) in element order, then packed; blocks that do not line up with the rows'
-    rows are drawn in element order throughout (eagerly only: the codecs draw such blocks in eager chunks). Compiled,
-    it is called on :func:`drawn_whole` elements."""
+    than a block where blocks are longer) in element order, then packed; blocks that do not line up with the rows
+    are drawn in element order throughout (eagerly only: the codecs draw such blocks in eager chunks). Compiled, it
+    is called on :func:`drawn_whole` elements."""
     numel = g.numel()
     single = multipliers.numel() == 1
     if per_byte == 1:
@@ -303,8 +303,8 @@ def clipped_scale(g: Tensor, clip_sigma: float) -> Tensor:
 
 def field_values(packed: Tensor, scales: Tensor, per_byte: int, bias: int) -> Tensor:
     """The values of whole planar rows of codes (the field minus ``bias``) times their blocks' ``scales``: the rows'
-    codes cut into ``scales.numel()`` equal blocks that line up with the stripes (:func:`aligned_blocks`; one block
-    for a tensor's one scale), shaped ``(blocks, runs, run)`` with ``run`` elements of a stripe per row of it."""
+    codes cut into ``scales.numel()`` equal blocks that line up with the rows (:func:`aligned_blocks`; one block for
+    a tensor's one scale), shaped ``(blocks, runs, run)``, a run being a block's elements within one stripe."""
     codes = fields_of_rows(packed, per_byte, STRIPE) - bias
     blocks = scales.numel()
     run = min(codes.numel() // blocks, STRIPE)
