@@ -36,7 +36,7 @@ from lightning_gradcomp.core.compressors.ternary import (
     CodePacking,
     PackedCodes,
     add_blocks_fused_,
-    mean_of_blocks_fused_,
+    average_packed_,
     num_blocks,
     own_wire,
     scale_blocks_,
@@ -263,20 +263,13 @@ class QSGDCompressor(BlockQuantizer):
 
     def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
         """The mean of the ranks' levels times their norms: whole blocks in one compiled pass where kernels run
-        compiled (:func:`~.ternary.mean_of_blocks_fused_`), the rest as :meth:`accumulate_all` then a division."""
+        compiled (:func:`~.ternary.average_packed_`), the rest as :meth:`accumulate_all` then a division."""
         levels = [p for p in payloads if isinstance(p, LevelsPayload)]
         if len(levels) < len(payloads) or not levels:
             return super().average_all(payloads, out, world)
         work = working_dtype(levels[0].dtype)
         scales = [p.norms.to(work) / p.levels for p in levels]
-        block, packing = levels[0].block, level_packing(self.levels)
-        done = mean_of_blocks_fused_(out, [p.packed for p in levels], scales, block, packing)
-        if done < out.numel():
-            rest = out[done:].zero_()
-            for payload in levels:
-                payload.add_to_(rest, first=done)
-            rest.div_(world)
-        return out
+        return average_packed_(out, levels, scales, levels[0].block, level_packing(self.levels), world)
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, LevelsPayload)

@@ -40,7 +40,7 @@ from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.ternary import (
     TERNARY_PACKING,
     TernaryPayload,
-    mean_of_blocks_fused_,
+    average_packed_,
     num_blocks,
     own_wire,
     packed_nbytes,
@@ -155,19 +155,13 @@ class BlockQuantizer(Compressor):
 
     def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
         """The mean of the ranks' codes times their block norms: the whole planar rows in one compiled pass where
-        kernels run compiled (:func:`~.ternary.mean_of_blocks_fused_`: summed in rank order, then divided, as the
-        eager path), the rest as :meth:`accumulate_all` then a division."""
+        kernels run compiled (:func:`~.ternary.average_packed_`: summed in rank order, then divided, as the eager
+        path), the rest as :meth:`accumulate_all` then a division."""
         ternary = [p for p in payloads if isinstance(p, TernaryPayload)]
         if len(ternary) < len(payloads) or not ternary:
             return super().average_all(payloads, out, world)
         scales = [p.scales for p in ternary]
-        done = mean_of_blocks_fused_(out, [p.packed for p in ternary], scales, ternary[0].block_size, TERNARY_PACKING)
-        if done < out.numel():
-            rest = out[done:].zero_()
-            for payload in ternary:
-                payload.add_to_(rest, start=done)
-            rest.div_(world)
-        return out
+        return average_packed_(out, ternary, scales, ternary[0].block_size, TERNARY_PACKING, world)
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, TernaryPayload)

@@ -98,6 +98,10 @@ class PackedCodes:
         """How the codes lie in their bytes."""
         raise NotImplementedError
 
+    def add_to_(self, out: Tensor, alpha: float = 1.0, start: int = 0) -> Tensor:
+        """``out += alpha * decoded[start : start + out.numel()]`` (flat ``out``)."""
+        raise NotImplementedError
+
     @cached_property
     def codes(self) -> Tensor:
         """The int8 codes, flat (decoded whole from :attr:`packed` when they are held packed)."""
@@ -232,6 +236,26 @@ def mean_of_blocks_fused_(
         mean_of_fields_(out[:done], codes, [s[:blocks] for s in scales], packing.per_byte, packing.bias)
         return done
     return 0
+
+
+def average_packed_(
+    out: Tensor,
+    payloads: Sequence[PackedCodes],
+    scales: Sequence[Tensor],
+    block_size: int,
+    packing: CodePacking,
+    world: int,
+) -> Tensor:
+    """``out`` becomes the mean of the ranks' packed payloads (their codes times ``scales``, per block): the leading
+    whole rows in one compiled pass (:func:`mean_of_blocks_fused_`), the rest zeroed, each payload added, divided:
+    the eager roundings either way on the CPU."""
+    done = mean_of_blocks_fused_(out, [p.packed for p in payloads], scales, block_size, packing)
+    if done < out.numel():
+        rest = out[done:].zero_()
+        for payload in payloads:
+            payload.add_to_(rest, 1.0, done)
+        rest.div_(world)
+    return out
 
 
 def own_wire(
