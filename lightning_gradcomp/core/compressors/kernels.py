@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.planar import STRIPE, fields_of_rows, pack_fields, row_split
+from lightning_gradcomp.core.compressors.planar import STRIPE, fields_of_rows, pack_fields, pack_rows, row_split
 from lightning_gradcomp.core.fused import fused
 from lightning_gradcomp.core.randomness import hash_at, hash_counters
 
@@ -196,17 +196,16 @@ def draw_packed_codes(
     planar rows (:mod:`~lightning_gradcomp.core.compressors.planar`; ``g`` as a tensor of its own, ``first`` a
     multiple of the rows and, with several multipliers, of the blocks) in one kernel: the codes are never written out
     as int8. Whole rows of whole blocks are drawn plane by plane (:func:`_draw_rows`); the rest (less than a row, or
-    than a block where blocks are longer) in element order, then packed; blocks that do not line up with the rows
-    are drawn in element order throughout (eagerly only: the codecs draw such blocks in eager chunks). Compiled, it
-    is called on :func:`drawn_whole` elements."""
+    than a block where blocks are longer) in element order, then packed. Blocks must line up with the rows
+    (:func:`aligned_blocks`; the codecs draw other blocks unpacked, :func:`draw_codes`, and pack them eagerly).
+    Compiled, it is called on :func:`drawn_whole` elements."""
     numel = g.numel()
     single = multipliers.numel() == 1
     if per_byte == 1:
         codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
         return (codes.to(torch.int32) + bias).to(torch.uint8)[:numel]
     if not (single or aligned_blocks(block_size, per_byte)):
-        codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)[:numel]
-        return pack_fields(codes.to(torch.int32) + bias, per_byte, pad)
+        raise ValueError(f"block_size {block_size} does not line up with rows of {per_byte * STRIPE} codes")
     unit = per_byte * STRIPE if single else max(per_byte * STRIPE, block_size)
     done = numel // unit * unit
     parts = []
@@ -254,21 +253,13 @@ def sign_row_split(numel: int) -> tuple[int, int]:
 def sign_rows(flat: Tensor, stripe: int) -> Tensor:
     """The planar bytes of whole rows of ``8 * stripe`` elements of ``flat``: bit ``k`` of byte ``b`` of a row is
     ``x >= 0`` of its element ``b + k * stripe``. Each stripe is read contiguously: compiled, whole vectors."""
-    rows = flat.view(-1, 8, stripe)
-    packed = None
-    for k in range(8):
-        bit = torch.where(rows[:, k] >= 0, 1, 0).to(torch.int32) << k
-        packed = bit if packed is None else packed | bit
-    assert packed is not None
-    return packed.to(torch.uint8).reshape(-1)
+    return pack_rows(torch.where(flat >= 0, 1, 0).to(torch.int32), 8, stripe)
 
 
 def signs_of_rows(packed: Tensor, stripe: int) -> Tensor:
     """The signs (+1 for a set bit, -1 else; float32) of whole rows of :func:`sign_rows`' bytes, shaped ``(rows, 8,
     stripe)``: each row's eight stripes in element order."""
-    shifts = torch.arange(8, dtype=torch.int32, device=packed.device).view(1, 8, 1)
-    bits = (packed.view(-1, 1, stripe).to(torch.int32) >> shifts) & 1
-    return (bits * 2 - 1).to(torch.float32)
+    return (fields_of_rows(packed, 8, stripe) * 2 - 1).to(torch.float32)
 
 
 @fused
