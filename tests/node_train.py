@@ -17,6 +17,7 @@ from models import TinyClassifier, teacher_task
 from torch.utils.data import DataLoader
 
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.ddp.torch_ddp import destroy_process_group
 
 
 def main(out: Path) -> None:
@@ -43,3 +44,6 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    # the Trainer's DDP wrapper and the hook's node groups went with main's frame; the default group goes now,
+    # from Python, not from the interpreter's exit (where gloo's threads once aborted the process)
+    destroy_process_group()
