@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.core.compressors import blocks as blocks_module
+from lightning_gradcomp.core.compressors import gaussiank as gaussiank_module
 from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks
 from lightning_gradcomp.core.compressors.dgc import DGCCompressor
 from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor, normal_quantile, refitted
@@ -58,6 +59,35 @@ def test_gaussiank_count_lands_between_half_k_and_k_and_keeps_the_largest(shape:
         assert k / 2 <= indices.numel() <= k, (shape, seed, indices.numel(), k)
         assert torch.equal(indices.sort().values, indices.unique())
         assert _is_a_top_set(x, indices)  # the largest by magnitude, never the first by position
+
+
+def test_with_a_generator_the_first_refinement_is_a_sampled_threshold_that_lands_in_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On error feedback's accumulated tensors the magnitudes pile up just below the last steps' thresholds: the
+    Gaussian threshold keeps far fewer than ``k / 2`` and a Gaussian refitted to that tail overshoots past ``k`` (a
+    Top-k of the candidates then); a threshold sampled at ``3k/4`` lands in the window in one more pass."""
+    density, k = 0.01, k_for(D, 0.01)
+    counts: list[int] = []
+    original = gaussiank_module.above_in
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        found = original(*args, **kwargs)
+        counts.append(found.numel())
+        return found
+
+    monkeypatch.setattr(gaussiank_module, "above_in", counted)
+    for seed in range(3):
+        x = _error_feedback_like(seed, density)
+        counts.clear()
+        refitted_count = GaussianKCompressor(density).select(x).numel()
+        first, refit = counts
+        assert first < k / 2 and refit > k and refitted_count == k, (seed, counts)
+        counts.clear()
+        indices = GaussianKCompressor(density).select(x, CounterStream(seed))
+        assert counts[0] == first and len(counts) == 2, (seed, counts)  # the paper's threshold, then one sampled
+        assert 0.56 * k <= indices.numel() == counts[1] <= 0.94 * k, (seed, counts)  # 3k/4 within 3 deviations
+        assert _is_a_top_set(x, indices)
 
 
 @pytest.mark.parametrize("kind", ["student_t_1.5", "normal_cubed", "signed_lognormal"])
