@@ -21,14 +21,11 @@ library's codes, element for element (checked before timing). The prototypes are
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import time
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from timing import best_ms, kernel_device, kernel_parser
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.kernels import (
@@ -45,22 +42,6 @@ from lightning_gradcomp.core.randomness import CounterStream, hash_at
 
 LAYER = 4096 * 4096
 BLOCK, BIAS = 512, 8  # QSGD's 4-bit levels: 7 levels each side, field = level + 8
-
-
-def best_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """The fastest of ``repeats`` calls after two untimed ones (compiling), in milliseconds."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def interleaved_fields(packed: Tensor, per_byte: int, row: int) -> Tensor:
@@ -132,13 +113,8 @@ def interleaved(fields: Tensor, per_byte: int) -> Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    torch.set_num_threads(1)
+    args = kernel_parser(__doc__.splitlines()[0], json=True).parse_args()
+    device = kernel_device(args)
     set_codec_mode("compiled")
     generator = torch.Generator().manual_seed(0)
     out, floor_out = torch.empty(LAYER, device=device), torch.empty(LAYER, device=device)

@@ -25,11 +25,8 @@ QSGD's draw of a layer's levels.
 
 from __future__ import annotations
 
-import argparse
-import time
-from collections.abc import Callable
-
 import torch
+from timing import best_ms, kernel_device, kernel_parser
 
 from lightning_gradcomp.core.comm.gtopk import SparseSet, merge
 from lightning_gradcomp.core.compressors import blocks, qsgd
@@ -46,24 +43,6 @@ from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_t
 LAYER = 4096 * 4096
 
 
-def best_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """The fastest of ``repeats`` calls after one untimed call, in milliseconds (the device synchronized)."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
-
-
 def blocks_copied_out(x: torch.Tensor, thr: float) -> torch.Tensor:
     """``MagnitudeBlocks.above`` with its switch to a streamed pass turned off: every passing block copied out."""
     switch = blocks.STREAM_FRACTION
@@ -75,13 +54,10 @@ def blocks_copied_out(x: torch.Tensor, thr: float) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = kernel_parser(__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=25_000_000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    torch.set_num_threads(1)
+    device = kernel_device(args)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.numel, generator=generator).to(device)
     kept = torch.empty_like(x)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.core.compressors import DGCCompressor, GaussianKCompressor, TopKCompressor
+from lightning_gradcomp.core.compressors.precision import WirePrecision
 from lightning_gradcomp.core.compressors.segments import Segments, adjoining, pieces
 
 SIZES = (300_000, 7, 1_000_000, 4096)
@@ -81,6 +82,26 @@ def test_scatters_into_pieces_equal_the_flat_tensors() -> None:
     )
     assert [p.data_ptr() for p in pieces(segments, SIZES)] == [p.data_ptr() for p in segments.parts]
     assert [p.numel() for p in pieces(flat, SIZES)] == list(SIZES)
+
+
+@pytest.mark.parametrize("density", [0.002, 0.01])  # 0.6% of the entries landed: divided one by one; 3%: streamed
+@pytest.mark.parametrize("wire", [None, "fp16"])
+def test_the_sparse_mean_into_pieces_is_the_streamed_division_of_the_summed_entries(
+    wire: str | None, density: float
+) -> None:
+    topk = TopKCompressor(density=density)
+    codec = topk if wire is None else WirePrecision(topk, wire)
+    received = []  # three ranks' selections, sent and parsed as the allgather's peers are (they overlap)
+    for seed in range(3):
+        payload = codec.compress(Segments(_parts(seed)), torch.Generator().manual_seed(seed))
+        received.append(codec.unpack(payload.to_bytes(), torch.Size([sum(SIZES)]), torch.float32))
+    expected = codec.accumulate_all(received, torch.zeros(sum(SIZES))).div_(3)
+    arrived = [p.arrived() for p in received] if wire else received
+    for average in (codec.average_all, lambda *args: topk.average_where_landed(arrived, *args[1:])):
+        segments = Segments([p.clone() for p in _parts(4)])
+        average(received, segments, 3)
+        assert torch.equal(torch.cat(segments.parts), expected)  # every entry, none left over from the pieces
+        assert torch.equal(average(received, torch.cat(_parts(4)), 3), expected)
 
 
 def test_segments_refuse_what_they_cannot_be() -> None:

@@ -209,6 +209,11 @@ class WirePrecision(Compressor):
     def accumulate_all(self, payloads: Sequence[Payload], out: Tensor) -> Tensor:
         return self.inner.accumulate_all([self._arrived(p) for p in payloads], out)
 
+    def average_all(self, payloads: Sequence[Payload], out: Tensor, world: int) -> Tensor:
+        """The inner compressor's mean of the payloads as they arrived (a sparse one divides only where entries
+        landed, while they are few)."""
+        return self.inner.average_all([self._arrived(p) for p in payloads], out, world)
+
     def decompress(self, payload: Payload) -> Tensor:
         return self.inner.decompress(self._arrived(payload))
 
