@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.core.compressors import DGCCompressor, GaussianKCompressor, TopKCompressor
+from lightning_gradcomp.core.compressors import DGCCompressor, GaussianKCompressor, IdentityCompressor, TopKCompressor
 from lightning_gradcomp.core.compressors.precision import WirePrecision
 from lightning_gradcomp.core.compressors.segments import Segments, adjoining, pieces
 
@@ -102,6 +102,35 @@ def test_the_sparse_mean_into_pieces_is_the_streamed_division_of_the_summed_entr
         average(received, segments, 3)
         assert torch.equal(torch.cat(segments.parts), expected)  # every entry, none left over from the pieces
         assert torch.equal(average(received, torch.cat(_parts(4)), 3), expected)
+
+
+@pytest.mark.parametrize("wire", [None, "fp16", "bf16"])
+def test_a_dense_unit_read_in_pieces_is_summed_and_decoded_as_its_flat_copy(wire: str | None) -> None:
+    """The dense wire (``ddp_fp16``'s: a unit across DDP's buckets) joins the pieces into its summand in the pass that
+    scales them, and a half wire's mean lands in the pieces themselves: the flat copy's numbers, bit for bit."""
+    codec = IdentityCompressor() if wire is None else WirePrecision(IdentityCompressor(), wire)
+    parts = _parts(5)
+    flat = torch.cat(parts)
+    kept: dict[tuple, torch.Tensor] = {}
+
+    def scratch(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return kept.setdefault((role, numel, dtype), torch.empty(numel, dtype=dtype, device=device))
+
+    in_pieces, joined = codec.compress(Segments(parts)), codec.compress(flat)
+    expected = codec.summable(joined, 3).clone()
+    summand = codec.summable(in_pieces, 3, scratch)
+    assert summand.dtype == expected.dtype and torch.equal(summand, expected)
+    assert in_pieces.nbytes == joined.nbytes and torch.equal(in_pieces.to_bytes(), joined.to_bytes())
+    assert torch.equal(codec.decompress(in_pieces), codec.decompress(joined))
+    total = summand * 3  # what three ranks with this summand would sum to
+    mean = codec.from_sum(total.clone(), in_pieces, 3, out=Segments(parts))
+    expected_mean = codec.from_sum(total.clone(), joined, 3, out=torch.empty_like(flat))
+    assert torch.equal(torch.cat(pieces(mean, SIZES)), expected_mean)
+    if wire is not None:  # cast back straight into the pieces: no flat mean to copy from
+        assert [m.data_ptr() for m in pieces(mean, SIZES)] == [p.data_ptr() for p in parts]
+    accumulated = codec.accumulate(joined, Segments([torch.ones(n) for n in SIZES]))
+    assert torch.equal(torch.cat(accumulated.parts), codec.decompress(joined) + 1)
+    assert torch.equal(codec.accumulate(in_pieces, torch.ones(sum(SIZES))), codec.decompress(joined) + 1)
 
 
 def test_segments_refuse_what_they_cannot_be() -> None:

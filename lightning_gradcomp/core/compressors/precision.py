@@ -34,6 +34,7 @@ from torch import Tensor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Entries, Payload
 from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.identity import DensePayload
+from lightning_gradcomp.core.compressors.segments import Segments
 from lightning_gradcomp.core.workspace import Scratch
 
 #: ``wire_precision`` names and the dtypes they send.
@@ -91,10 +92,15 @@ class CastPayload(Payload):
         return self.arrived().entries()
 
 
-def scaled_cast(values: Tensor, factor: float, out: Tensor) -> Tensor:
+def scaled_cast(values: Tensor | Segments, factor: float, out: Tensor) -> Tensor:
     """``values * factor`` written into ``out`` (a narrower float dtype): multiplied in ``values``' precision, then
     rounded. On CPU a multiply that stores another dtype runs at a fraction of memory speed, so it goes chunk by
-    chunk through a cache-sized buffer of ``values``' dtype (the same numbers, two fast passes in cache)."""
+    chunk through a cache-sized buffer of ``values``' dtype (the same numbers, two fast passes in cache). Pieces
+    (:class:`Segments`) are each written into their place in ``out``."""
+    if isinstance(values, Segments):
+        for part, start in zip(values.parts, values.starts, strict=True):
+            scaled_cast(part, factor, out.reshape(-1)[start : start + part.numel()])
+        return out
     flat, target = values.reshape(-1), out.reshape(-1)
     if values.device.type != "cpu" or flat.numel() <= STREAM_CHUNK:
         torch.mul(flat, factor, out=target)

@@ -114,6 +114,16 @@ class Segments:
             part.zero_()
         return self
 
+    def copy_(self, flat: Tensor) -> Segments:
+        """Each part overwritten by its slice of the flat ``flat`` (cast to the parts' dtype)."""
+        for part, start in zip(self.parts, self.starts, strict=True):
+            part.copy_(flat[start : start + part.numel()])
+        return self
+
+    def joined(self) -> Tensor:
+        """The concatenation itself, as a new flat tensor (for what needs one tensor, off the hot path)."""
+        return torch.cat(self.parts)
+
     def div_(self, divisor: float) -> Segments:
         for part in self.parts:
             part.div_(divisor)
