@@ -228,6 +228,54 @@ def _density_warmup(rank: int, world_size: int) -> dict:
     return {"counts": compressor.counts, "history": list(hook.history)}
 
 
+def _mixed_dtypes(rank: int, world_size: int) -> dict:
+    """A unit of float32 and float64 parameters, which DDP buckets apart (so they never lie in one bucket), under
+    the dense wire, Top-k and plain DDP."""
+    from lightning_gradcomp.core.compressors import IdentityCompressor
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), _ToDouble(), nn.Linear(64, 4).double())
+
+    results = {}
+    for label, compressor, memory in (
+        ("plain", None, None),
+        ("none", IdentityCompressor(), NoMemory()),
+        ("topk", TopKCompressor(0.5), ErrorFeedback()),
+    ):
+        net = model()
+        ddp = DistributedDataParallel(net, bucket_cap_mb=0.001)
+        if compressor is not None:
+            hook = GradCompHook(compressor, memory, "allgather", list(net.named_parameters()), granularity="model",
+                                warmup_steps=0, min_compress_numel=0)  # fmt: skip
+            ddp.register_comm_hook(hook, gradcomp_comm_hook)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        data = teacher_task(n=16 * world_size * 3)
+        for step in range(3):
+            lo = (step * world_size + rank) * 16
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(data.tensors[0][lo : lo + 16]), data.tensors[1][lo : lo + 16]).backward()
+            optimizer.step()
+        results[label] = net.state_dict()
+    return results
+
+
+class _ToDouble(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
+
+
+def _choosers_in_pieces(rank: int, world_size: int) -> dict:
+    """Top-k's mean over the ranks that chose each index, decoded into the pieces of a unit across DDP's buckets
+    and into one flat bucket."""
+    weights = {}
+    for label, cap in (("pieces", 0.001), ("one bucket", 100.0)):
+        make = _make_hook(TopKCompressor(0.3), ErrorFeedback(), "model", aggregator="allgather_choosers")
+        model, _ = _train(rank, world_size, make, bucket_cap_mb=cap)
+        weights[label] = model.state_dict()
+    return weights
+
+
 def every_case(rank: int, world_size: int) -> dict:
     """Every workload below in one launch per world size (starting ranks costs seconds)."""
     cases = {
@@ -238,8 +286,26 @@ def every_case(rank: int, world_size: int) -> dict:
         "captures": _captures,
         "overlap": _overlap,
         "density warmup": _density_warmup,
+        "mixed dtypes": _mixed_dtypes,
+        "choosers in pieces": _choosers_in_pieces,
     }
     return run_cases(rank, world_size, cases)
+
+
+def test_a_unit_of_two_dtypes_is_copied_flat_and_averages_as_plain_ddp(every_rank: EveryRank) -> None:
+    results = every_rank(2, "mixed dtypes")
+    for r in results:
+        for name, value in r["plain"].items():
+            assert r["none"][name].dtype == value.dtype
+            torch.testing.assert_close(r["none"][name], value, rtol=1e-6, atol=1e-7)
+    for name, value in results[0]["topk"].items():
+        assert torch.isfinite(value).all() and torch.equal(results[1]["topk"][name], value)
+
+
+def test_the_choosers_mean_lands_in_pieces_as_in_one_bucket(every_rank: EveryRank) -> None:
+    for r in every_rank(2, "choosers in pieces"):
+        for name, value in r["one bucket"].items():
+            assert torch.equal(r["pieces"][name], value), name
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

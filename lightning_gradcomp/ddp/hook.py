@@ -451,7 +451,8 @@ class GradCompHook:
     def _unit_tensor(self, unit: Unit, grads: list[Tensor]) -> Tensor | Segments:
         """The tensor a unit is compressed from: a lone parameter's gradient itself (a view of DDP's bucket,
         in its shape); gradients that lie back to back in one bucket, as one flat view of it; the unit's
-        gradients where they lie, as :class:`Segments`, for a compressor that reads them so (no copy); else
+        gradients where they lie, as :class:`Segments`, for a compressor that reads them so (no copy; gradients of
+        one dtype, which DDP buckets apart from others); else
         the gradients copied into a flat buffer allocated once and kept (a node's sum is taken in the
         tensor the unit is compressed from, whichever it is)."""
         if len(grads) == 1:
@@ -459,7 +460,8 @@ class GradCompHook:
         inside_bucket = adjoining(grads)
         if inside_bucket is not None:
             return inside_bucket
-        if unit.compressed and self.compressor.takes_segments and isinstance(self.topology, FlatTopology):
+        one_kind = len({(g.dtype, g.device) for g in grads}) == 1  # else the flat copy casts them to one dtype
+        if unit.compressed and self.compressor.takes_segments and isinstance(self.topology, FlatTopology) and one_kind:
             return Segments(grads)
         like = grads[0]
         return torch.cat(grads, out=self.workspace.buffer(unit.index, "unit", unit.numel, like.dtype, like.device))

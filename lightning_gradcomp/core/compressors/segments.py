@@ -124,9 +124,10 @@ class Segments:
         """The concatenation itself, as a new flat tensor (for what needs one tensor, off the hot path)."""
         return torch.cat(self.parts)
 
-    def div_(self, divisor: float) -> Segments:
-        for part in self.parts:
-            part.div_(divisor)
+    def div_(self, divisor: float | Tensor) -> Segments:
+        """Each entry divided by ``divisor``: a number, or a flat tensor of one divisor per entry."""
+        for part, start in zip(self.parts, self.starts, strict=True):
+            part.div_(divisor[start : start + part.numel()] if isinstance(divisor, Tensor) else divisor)
         return self
 
     def split(self, numels: Sequence[int]) -> list[Tensor]:
