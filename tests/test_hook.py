@@ -11,7 +11,7 @@ from ranks import EveryRank, run_cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.core.compressors import SparseEntries, TopKCompressor
+from lightning_gradcomp.core.compressors import IdentityCompressor, SparseEntries, TopKCompressor
 from lightning_gradcomp.core.compressors.topk import k_for
 from lightning_gradcomp.core.memory import ErrorFeedback, NoMemory
 from lightning_gradcomp.core.schedule import DensityWarmup
@@ -67,8 +67,9 @@ def _train(
     bucket_cap_mb: float = 0.001,
     after_step: Callable[[int, GradCompHook], None] | None = None,
     comm_hook: Callable = gradcomp_comm_hook,
+    build: Callable[[], nn.Module] | None = None,
 ) -> tuple[nn.Module, GradCompHook | None]:
-    model = _model()
+    model = _model() if build is None else build()
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     hook = None if make_hook is None else make_hook(model)
     if hook is not None:
@@ -231,32 +232,18 @@ def _density_warmup(rank: int, world_size: int) -> dict:
 def _mixed_dtypes(rank: int, world_size: int) -> dict:
     """A unit of float32 and float64 parameters, which DDP buckets apart (so they never lie in one bucket), under
     the dense wire, Top-k and plain DDP."""
-    from lightning_gradcomp.core.compressors import IdentityCompressor
 
-    def model() -> nn.Module:
+    def build() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), _ToDouble(), nn.Linear(64, 4).double())
 
-    results = {}
+    results = {"plain": _train(rank, world_size, None, build=build)[0].state_dict()}
     for label, compressor, memory in (
-        ("plain", None, None),
         ("none", IdentityCompressor(), NoMemory()),
         ("topk", TopKCompressor(0.5), ErrorFeedback()),
     ):
-        net = model()
-        ddp = DistributedDataParallel(net, bucket_cap_mb=0.001)
-        if compressor is not None:
-            hook = GradCompHook(compressor, memory, "allgather", list(net.named_parameters()), granularity="model",
-                                warmup_steps=0, min_compress_numel=0)  # fmt: skip
-            ddp.register_comm_hook(hook, gradcomp_comm_hook)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-        data = teacher_task(n=16 * world_size * 3)
-        for step in range(3):
-            lo = (step * world_size + rank) * 16
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(ddp(data.tensors[0][lo : lo + 16]), data.tensors[1][lo : lo + 16]).backward()
-            optimizer.step()
-        results[label] = net.state_dict()
+        # the compressed unit: the two weights, one of each dtype (the biases stay dense, below 100 elements)
+        results[label] = _train(rank, world_size, _make_hook(compressor, memory, "model"), build=build)[0].state_dict()
     return results
 
 
