@@ -61,13 +61,8 @@ def test_gaussiank_count_lands_between_half_k_and_k_and_keeps_the_largest(shape:
         assert _is_a_top_set(x, indices)  # the largest by magnitude, never the first by position
 
 
-def test_with_a_generator_the_first_refinement_is_a_sampled_threshold_that_lands_in_the_window(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On error feedback's accumulated tensors the magnitudes pile up just below the last steps' thresholds: the
-    Gaussian threshold keeps far fewer than ``k / 2`` and a Gaussian refitted to that tail overshoots past ``k`` (a
-    Top-k of the candidates then); a threshold sampled at ``3k/4`` lands in the window in one more pass."""
-    density, k = 0.01, k_for(D, 0.01)
+def _counting_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The count each streamed pass of a Gaussian_k selection finds, in order."""
     counts: list[int] = []
     original = gaussiank_module.above_in
 
@@ -77,6 +72,18 @@ def test_with_a_generator_the_first_refinement_is_a_sampled_threshold_that_lands
         return found
 
     monkeypatch.setattr(gaussiank_module, "above_in", counted)
+    return counts
+
+
+def test_with_a_generator_a_sampled_threshold_replaces_the_refit_and_the_short_pass_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On error feedback's accumulated tensors the magnitudes pile up just below the last steps' thresholds: the
+    Gaussian threshold keeps far fewer than ``k / 2`` and a Gaussian refitted to that tail overshoots past ``k`` (a
+    Top-k of the candidates then). With the unit's stream, a sample shows the first pass short before it is made,
+    and the threshold it puts at ``3k/4`` lands in the window: one pass instead of two, no Top-k after it."""
+    density, k = 0.01, k_for(D, 0.01)
+    counts = _counting_passes(monkeypatch)
     for seed in range(3):
         x = _error_feedback_like(seed, density)
         counts.clear()
@@ -85,9 +92,30 @@ def test_with_a_generator_the_first_refinement_is_a_sampled_threshold_that_lands
         assert first < k / 2 and refit > k and refitted_count == k, (seed, counts)
         counts.clear()
         indices = GaussianKCompressor(density).select(x, CounterStream(seed))
-        assert counts[0] == first and len(counts) == 2, (seed, counts)  # the paper's threshold, then one sampled
-        assert 0.56 * k <= indices.numel() == counts[1] <= 0.94 * k, (seed, counts)  # 3k/4 within 3 deviations
+        assert len(counts) == 1 and 0.56 * k <= indices.numel() == counts[0] <= 0.94 * k, (seed, counts)
         assert _is_a_top_set(x, indices)
+
+
+def test_where_the_gaussian_threshold_keeps_enough_the_sample_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    density, k = 0.01, k_for(D, 0.01)
+    counts = _counting_passes(monkeypatch)
+    for seed in range(3):
+        x = torch.randn(D, generator=torch.Generator().manual_seed(seed))
+        without = GaussianKCompressor(density).select(x)
+        paper = list(counts)
+        counts.clear()
+        assert torch.equal(GaussianKCompressor(density).select(x, CounterStream(seed)), without), seed
+        assert counts == paper and len(paper) == 1 and paper[0] >= k / 2, (seed, paper)  # the paper's pass alone
+        counts.clear()
+
+
+def test_a_pass_is_skipped_only_when_its_count_is_short_beyond_three_deviations() -> None:
+    d, s = 1_000_000, 10_000
+    sample = torch.cat([torch.full((60,), 2.0), torch.zeros(s - 60)])
+    # 60 of 10,000 sampled above: an upper bound of 60 + 3 sqrt(60) + 3 = 86.2 sampled, 8,620 of a million
+    assert gaussiank_module.short_of(sample, 1.0, 8_700, d) and not gaussiank_module.short_of(sample, 1.0, 8_600, d)
+    assert not gaussiank_module.short_of(torch.zeros(s), 1.0, 300, d)  # none seen: 3 sampled, 300 of a million
+    assert gaussiank_module.short_of(torch.zeros(s), 1.0, 301, d)
 
 
 @pytest.mark.parametrize("kind", ["student_t_1.5", "normal_cubed", "signed_lognormal"])

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import streams
-from lightning_gradcomp.core.compressors.draws import Draws
+from lightning_gradcomp.core.compressors.draws import Draws, random_integers
 from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels, normal_quantile
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
@@ -36,6 +36,14 @@ SHRINK = 0.5
 #: Sampled entries expected above the first refinement's threshold (with a generator): their count's relative spread
 #: is ``1 / sqrt(144)``, so the count found lands in ``TARGET * k (1 +- 0.25)``, inside the window, at 3 deviations.
 REFIT_SAMPLED = 144
+
+
+def short_of(sample: Tensor, thr: float, wanted: float, d: int) -> bool:
+    """Whether fewer than ``wanted`` of ``d`` entries lie above ``thr``, beyond doubt, by the sampled magnitudes
+    ``sample``: their count above ``thr`` plus three binomial deviations (and three, for a count near 0) falls short
+    of the ``wanted`` share of the sample."""
+    seen = int((sample > thr).sum())
+    return seen + 3 * math.sqrt(seen) + 3 < wanted * sample.numel() / d
 
 
 def refitted(thr: float, centre: float, count: int, target: float, d: int) -> float | None:
@@ -64,8 +72,10 @@ class GaussianKCompressor(TopKCompressor):
        or more) lower ``thr`` to where ``3k/4`` entries lie: with the unit's generator (as the hook
        passes it), the magnitude a random sample of the entries puts there (Top-k's sampling, Lin et
        al., 2018, Sec. 3, with about 144 sampled entries above it, so the count lands within 25% of
-       ``3k/4``); without one, where a Gaussian refitted to the tail just seen (the same centre, the
-       spread that puts the count found above ``thr``) puts it; then halve ``thr``, but never
+       ``3k/4``; the same sample, drawn before step 2's pass, skips that pass where it shows it short
+       of ``k/2`` beyond three binomial deviations, :func:`short_of`); without one, where a Gaussian
+       refitted to the tail just seen (the same centre, the spread that puts the count found above
+       ``thr``) puts it; then halve ``thr``, but never
        below the ``k``-th largest block maximum (at least ``k`` entries reach that one, since each of
        those ``k`` blocks holds one; it costs a Top-k of the ``d / 64`` block maxima), however heavy
        the tail;
@@ -144,18 +154,25 @@ class GaussianKCompressor(TopKCompressor):
         zero = sumsq == 0.0 and not any(bool(part.count_nonzero()) for part in parts)
         return abs(mu) + z * sigma, zero, abs(mu)
 
-    def _refit(
-        self, flat: Tensor | Segments, k: int, thr: float, centre: float, count: int, generator: Draws
-    ) -> float | None:
-        """The first refinement's threshold, aimed at ``TARGET * k`` entries: with a generator, the magnitude a sample
-        of the entries puts there (:meth:`~.topk.TopKCompressor.sampled_magnitude`), when it lies below ``thr``;
-        without one, :func:`refitted`."""
-        if generator is not None:
-            samples = max(self.sample_size(flat.numel()), math.ceil(REFIT_SAMPLED * flat.numel() / (TARGET * k)))
-            sampled = self.sampled_magnitude(flat, TARGET * k, 0.0, generator, samples)
-            if sampled is not None and math.isfinite(sampled) and sampled < thr:
+    def _sample(self, flat: Tensor | Segments, k: int, generator: Draws) -> Tensor | None:
+        """``|x|`` at random positions of ``flat`` (with replacement, from the unit's stream), about
+        :data:`REFIT_SAMPLED` of them expected among the ``3k/4`` largest; ``None`` without a stream, or where the
+        sample would be the whole tensor."""
+        d = flat.numel()
+        samples = max(self.sample_size(d), math.ceil(REFIT_SAMPLED * d / (TARGET * k)))
+        if generator is None or samples >= d:
+            return None
+        return take(flat, random_integers(generator, d, samples, flat.device)).abs()
+
+    def _refit(self, sample: Tensor | None, k: int, d: int, thr: float, centre: float, count: int) -> float | None:
+        """The first refinement's threshold, aimed at ``TARGET * k`` entries: the magnitude the ``sample`` puts there
+        when it lies below ``thr``; without a sample, :func:`refitted`."""
+        if sample is not None:
+            rank = min(sample.numel(), max(1, math.ceil(sample.numel() * TARGET * k / d)))
+            sampled = float(torch.topk(sample, rank, sorted=False).values.min())
+            if math.isfinite(sampled) and sampled < thr:
                 return sampled
-        return refitted(thr, centre, count, TARGET * k, flat.numel())
+        return refitted(thr, centre, count, TARGET * k, d)
 
     def select_k(self, flat: Tensor | Segments, k: int, generator: Draws = None) -> Tensor:
         """Ascending indices of between ``k/2`` and ``k < d`` entries of largest ``|flat|``; see the class. Off the
@@ -178,21 +195,24 @@ class GaussianKCompressor(TopKCompressor):
         def find(thr: float, inclusive: bool = False) -> Tensor:
             return blocks.above(thr, inclusive) if blocks is not None else above_in(flat, thr, 1.0, inclusive)
 
-        indices = find(thr)
+        sample = self._sample(flat, k, generator) if self.refinements > 1 else None
+        # the paper's threshold's pass, unless the sample shows it keeps fewer than k/2 (then the refinement follows)
+        indices = None if sample is not None and short_of(sample, thr, LOWER * k, flat.numel()) else find(thr)
         floor = None
         for attempt in range(self.refinements):
-            if indices.numel() >= LOWER * k:
+            if indices is not None and indices.numel() >= LOWER * k:
                 break
             # the refit first, where a later refinement can still fall back on the floor
             refit = attempt == 0 and self.refinements > 1
-            lowered = self._refit(flat, k, thr, centre, indices.numel(), generator) if refit else None
+            count = 0 if indices is None else indices.numel()
+            lowered = self._refit(sample, k, flat.numel(), thr, centre, count) if refit else None
             if lowered is None:
                 if floor is None:  # the k-th largest block maximum: at least k entries reach it
                     floor = (blocks if blocks is not None else magnitude_blocks(flat)).kth_peak(k)
                 lowered = max(thr * SHRINK, floor)
             thr = lowered
             indices = find(thr, inclusive=thr == floor)
-        if indices.numel() < LOWER * k:
+        if indices is None or indices.numel() < LOWER * k:
             return self.exact_select(flat)
         if indices.numel() > k:
             indices = indices[ascending_top_k(take(flat, indices, ascending=True).abs(), k)]

@@ -108,21 +108,13 @@ class TopKCompressor(FixedKSparsifier):
 
         ``generator`` (on ``flat``'s device) draws the sample; ``None`` uses torch's global generator.
         """
-        return self.sampled_magnitude(flat, k_for(flat.numel(), self.density), self.margin, generator)
-
-    def sampled_magnitude(
-        self, flat: Tensor | Segments, count: float, margin: float, generator: Draws, samples: int | None = None
-    ) -> float | None:
-        """The magnitude that about ``count`` entries of ``flat`` reach, from a sample of ``samples`` positions
-        (default :meth:`sample_size`) drawn with replacement: the ``m``-th largest sampled ``|x|``,
-        ``m = ceil(mu + margin * sqrt(mu))``, ``mu = s * count / d`` (``margin`` binomial standard deviations toward
-        more entries). ``None`` if the sample would be the whole tensor."""
         d = flat.numel()
-        s = self.sample_size(d) if samples is None else samples
+        s = self.sample_size(d)
         if s >= d:
             return None
-        expected = s * count / d
-        rank = min(s, max(1, math.ceil(expected + margin * math.sqrt(expected))))
+        k = k_for(d, self.density)
+        expected = s * k / d
+        rank = min(s, max(1, math.ceil(expected + self.margin * math.sqrt(expected))))
         positions = random_integers(generator, d, s, flat.device)
         sample = take(flat, positions).abs()
         return float(torch.topk(sample, rank, sorted=False).values.min())
