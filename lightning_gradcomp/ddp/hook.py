@@ -460,8 +460,12 @@ class GradCompHook:
         inside_bucket = adjoining(grads)
         if inside_bucket is not None:
             return inside_bucket
-        one_kind = len({(g.dtype, g.device) for g in grads}) == 1  # else the flat copy casts them to one dtype
-        if unit.compressed and self.compressor.takes_segments and isinstance(self.topology, FlatTopology) and one_kind:
+        if (
+            unit.compressed
+            and self.compressor.takes_segments
+            and isinstance(self.topology, FlatTopology)
+            and len({(g.dtype, g.device) for g in grads}) == 1  # else the flat copy casts them to one dtype
+        ):
             return Segments(grads)
         like = grads[0]
         return torch.cat(grads, out=self.workspace.buffer(unit.index, "unit", unit.numel, like.dtype, like.device))

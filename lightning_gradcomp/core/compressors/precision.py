@@ -98,8 +98,9 @@ def scaled_cast(values: Tensor | Segments, factor: float, out: Tensor) -> Tensor
     chunk through a cache-sized buffer of ``values``' dtype (the same numbers, two fast passes in cache). Pieces
     (:class:`Segments`) are each written into their place in ``out``."""
     if isinstance(values, Segments):
+        target = out.reshape(-1)
         for part, start in zip(values.parts, values.starts, strict=True):
-            scaled_cast(part, factor, out.reshape(-1)[start : start + part.numel()])
+            scaled_cast(part, factor, target[start : start + part.numel()])
         return out
     flat, target = values.reshape(-1), out.reshape(-1)
     if values.device.type != "cpu" or flat.numel() <= STREAM_CHUNK:
