@@ -12,7 +12,11 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
   and the streamed pass's test on one chunk: ``abs`` then ``>=`` against ``hardshrink`` then a cast;
 * the fp16 wire's summand ``x / P`` rounded to float16: one mixed-dtype multiply against ``scaled_cast``;
 * the ``k`` largest of the candidates (``k`` = 250,000 of 280,000): ``torch.topk`` and a sort against
-  ``ascending_top_k``'s ``kthvalue``;
+  ``ascending_top_k``;
+* the cut of a gTop-k merge (the 180,000th smallest of 430,000 magnitudes): ``torch.kthvalue`` of them all against
+  ``kth_smallest``'s band placed by a systematic sample;
+* Elias-Fano's low bits of 250,000 indices (6 bits each, density 0.01) packed and unpacked through int64 words
+  against byte columns, eight values to ``width`` bytes;
 * ATOMO's atoms of a 512 x 3072 gradient of rank 32 (a linear layer's, batch 32): the exact decomposition
   against the sketched one;
 * QSGD's 4-bit levels packed a pair at a time against as int16 lanes;
@@ -33,11 +37,18 @@ from lightning_gradcomp.core.compressors import blocks, qsgd
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks, streamed_above
-from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices
+from lightning_gradcomp.core.compressors.indices import (
+    decode_indices,
+    encode_indices,
+    pack_bits,
+    pack_words,
+    unpack_bits,
+    unpack_words,
+)
 from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
 from lightning_gradcomp.core.compressors.ternary import stochastic_levels
-from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k
+from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, kth_smallest
 
 #: the 25.2M MLP's largest layer, 4096 x 4096
 LAYER = 4096 * 4096
@@ -69,6 +80,9 @@ def main() -> None:
     chunk, shrunk = x[:STREAM_CHUNK], torch.empty(STREAM_CHUNK, device=device)
     mask = torch.empty(STREAM_CHUNK, dtype=torch.bool, device=device)
     candidates = torch.rand(280_000, generator=generator).to(device)
+    merged = torch.rand(430_000, generator=generator).to(device)
+    lows = torch.randint(0, 64, (250_000,), generator=generator).to(device)
+    lows_packed = pack_bits(lows, 6, (250_000 * 6 + 7) // 8)
     layer = (torch.randn(512, 32, generator=generator) @ torch.randn(32, 3072, generator=generator)).to(device)
     atomo = AtomoCompressor(3)
     pairs = [
@@ -100,7 +114,22 @@ def main() -> None:
         (
             "the 250,000 largest of 280,000 candidates, ascending",
             ("torch.topk, then a sort", lambda: torch.topk(candidates, 250_000, sorted=False).indices.sort()),
-            ("ascending_top_k (kthvalue)", lambda: ascending_top_k(candidates, 250_000)),
+            ("ascending_top_k", lambda: ascending_top_k(candidates, 250_000)),
+        ),
+        (
+            "the 180,000th smallest of 430,000 magnitudes",
+            ("torch.kthvalue", lambda: torch.kthvalue(merged, 180_000)),
+            ("kth_smallest (a sampled band)", lambda: kth_smallest(merged, 180_000)),
+        ),
+        (
+            "250,000 values of 6 bits packed",
+            ("int64 words", lambda: pack_words(lows, 6, lows_packed.numel())),
+            ("pack_bits (byte columns on the CPU)", lambda: pack_bits(lows, 6, lows_packed.numel())),
+        ),
+        (
+            "250,000 values of 6 bits unpacked",
+            ("int64 words", lambda: unpack_words(lows_packed, 250_000, 6)),
+            ("unpack_bits (byte columns on the CPU)", lambda: unpack_bits(lows_packed, 250_000, 6)),
         ),
         (
             "ATOMO's atoms of a 512 x 3072 gradient of rank 32",

@@ -18,7 +18,7 @@ from lightning_gradcomp.core.compressors import (
     TopKCompressor,
     build_compressor,
 )
-from lightning_gradcomp.core.compressors.topk import k_for
+from lightning_gradcomp.core.compressors.topk import k_for, kth_smallest
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.memory import ErrorFeedback, NoMemory, build_memory
 from lightning_gradcomp.core.randomness import CounterStream
@@ -30,6 +30,43 @@ from lightning_gradcomp.core.randomness import CounterStream
 )
 def test_k_follows_the_authors_rule(numel: int, density: float, k: int) -> None:
     assert k_for(numel, density) == k
+
+
+def _spied_kthvalue(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes ``torch.kthvalue`` is called on from now on."""
+    sizes, kthvalue = [], torch.kthvalue
+    monkeypatch.setattr(torch, "kthvalue", lambda x, r: sizes.append(x.numel()) or kthvalue(x, r))
+    return sizes
+
+
+@pytest.mark.parametrize(
+    "values", ["uniform", "cubed normal", "seven levels", "constant", "ascending", "descending", "float64 normal"]
+)
+@pytest.mark.parametrize("c", [65_535, 65_536, 300_001])
+def test_kth_smallest_is_kthvalue_whether_its_band_holds_the_answer_or_not(
+    values: str, c: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = {
+        "uniform": lambda: torch.rand(c, generator=gen),
+        "cubed normal": lambda: torch.randn(c, generator=gen) ** 3,
+        "seven levels": lambda: torch.randint(0, 7, (c,), generator=gen).float(),  # ties at every cut
+        "constant": lambda: torch.full((c,), 0.25),
+        "ascending": lambda: torch.arange(c, dtype=torch.float32),
+        "descending": lambda: torch.arange(c, 0, -1, dtype=torch.float32),
+        "float64 normal": lambda: torch.randn(c, generator=gen, dtype=torch.float64),
+    }[values]()
+    sizes = _spied_kthvalue(monkeypatch)
+    for rank in (1, 2, 1000, c // 2, c - 252_000, c - 1, c):
+        if not 1 <= rank <= c:
+            continue
+        sizes.clear()
+        assert torch.equal(kth_smallest(x, rank), torch.topk(x, rank, largest=False).values.max()), rank
+        if c >= 65_536 and values in ("uniform", "cubed normal", "float64 normal") and 1 < rank < c:
+            # the systematic sample's band held the answer: kthvalue ran on a few percent of the values
+            assert sizes == [sizes[0]] and sizes[0] < c // 10, sizes
+        if c < 65_536:
+            assert sizes == [c]  # too few for a band: kthvalue of them all
 
 
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.3, 1.0])

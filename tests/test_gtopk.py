@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.core.comm import AllgatherAggregator, Collectives, Contribution
-from lightning_gradcomp.core.comm.gtopk import GTopKAggregator
+from lightning_gradcomp.core.comm.gtopk import GTopKAggregator, SparseSet, merge_tracked
 from lightning_gradcomp.core.compressors import IdentityCompressor, TopKCompressor
 from lightning_gradcomp.core.compressors.indices import encoded_nbytes
 from lightning_gradcomp.core.compressors.topk import k_for
@@ -224,6 +224,30 @@ def _dense(entries: dict[int, torch.Tensor], numel: int) -> torch.Tensor:
     for i, v in entries.items():
         out[i] = v
     return out
+
+
+@pytest.mark.parametrize("shared", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_merge_is_the_reference_merge_and_tracks_where_every_entry_went(shared: float, ties: bool) -> None:
+    """Both sides' entries: a position in the merged set when their index is there, -1 when a merge dropped it (an
+    index both sides hold goes where their sum went, from either side)."""
+    gen = torch.Generator().manual_seed(int(10 * shared) + 7 * ties)
+    numel, count, k = 5000, 600, 500
+    pool = torch.randperm(numel, generator=gen)
+    overlap = int(shared * count)
+    a_indices = pool[:count].sort().values
+    b_indices = torch.cat([pool[:overlap], pool[count : 2 * count - overlap]]).sort().values
+    draw = (lambda: torch.randint(-4, 5, (count,), generator=gen).float()) if ties else (
+        lambda: torch.randn(count, generator=gen))  # fmt: skip
+    a, b = SparseSet(a_indices, draw()), SparseSet(b_indices, draw())
+    merged, moved_a, moved_b = merge_tracked(a, b, k)
+    as_dict = [dict(zip(side.indices.tolist(), side.values, strict=True)) for side in (a, b)]
+    expected = _merge(*as_dict, k)
+    assert merged.indices.tolist() == sorted(expected)
+    assert torch.equal(merged.values, torch.stack([expected[i] for i in sorted(expected)]))
+    place = {i: p for p, i in enumerate(merged.indices.tolist())}
+    for side, moved in ((a, moved_a), (b, moved_b)):
+        assert moved.tolist() == [place.get(i, -1) for i in side.indices.tolist()]
 
 
 @pytest.mark.parametrize("size", SIZES)

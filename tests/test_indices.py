@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
+import lightning_gradcomp.core.compressors.indices as indices_module
 from lightning_gradcomp.core.compressors import SparsePayload, TopKCompressor
 from lightning_gradcomp.core.compressors.indices import (
     decode_indices,
@@ -14,6 +16,9 @@ from lightning_gradcomp.core.compressors.indices import (
     encoded_nbytes,
     index_format,
     low_bits,
+    pack_bits,
+    pack_words,
+    unpack_bits,
 )
 
 SIZES = (1, 2, 7, 8, 9, 100, 1000, 4097, 61_706, 1_862_000)
@@ -120,3 +125,39 @@ def test_sparse_payloads_count_what_they_carry(numel: int, density: float) -> No
     assert torch.equal(back.indices, payload.indices[order]) and torch.equal(back.values, payload.values[order])
     if density == 1.0:
         assert payload.k == numel and index_format(numel, numel) == "bitmap"
+
+
+def _counted(calls: dict[str, int], key: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn``, counting its calls in ``calls[key]``."""
+
+    def counted(*args: object) -> torch.Tensor:
+        calls[key] += 1
+        return fn(*args)
+
+    return counted
+
+
+@pytest.mark.parametrize("width", [1, 3, 6, 8, 9, 12, 31, 57, 58, 63])
+@pytest.mark.parametrize("count", [0, 7, 65_535, 65_536, 131_079, 200_001])
+def test_bits_packed_in_byte_columns_are_the_word_streams_bytes_and_come_back(
+    width: int, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight values of ``width`` bits fill ``width`` bytes: moved in those byte columns (the CPU's path for many
+    values, widths up to 57), the stream is byte for byte what the int64 words write, padding included, and every
+    value comes back, from a view at an offset too."""
+    calls = {"packed": 0, "unpacked": 0}
+    for name, key in (("_pack_groups", "packed"), ("_unpack_groups", "unpacked")):
+        monkeypatch.setattr(indices_module, name, _counted(calls, key, getattr(indices_module, name)))
+    gen = torch.Generator().manual_seed(width * 100_003 + count)
+    values = torch.randint(-(2**63), 2**63 - 1, (count,), generator=gen) & ((1 << width) - 1)
+    if count:
+        values[0] = (1 << width) - 1  # every bit of a field set: no carry into its neighbours
+    for padding in (0, 5):
+        nbytes = (count * width + 7) // 8 + padding
+        packed = pack_bits(values, width, nbytes)
+        assert torch.equal(packed, pack_words(values, width, nbytes))
+        assert torch.equal(unpack_bits(packed, count, width), values)
+        at_offset = torch.cat([torch.zeros(3, dtype=torch.uint8), packed])[3:]
+        assert torch.equal(unpack_bits(at_offset, count, width), values)
+    assert calls["packed"] == (2 if width <= 57 and count >= 131_072 else 0)
+    assert calls["unpacked"] == (4 if width <= 57 and count >= 65_536 else 0)
