@@ -139,24 +139,17 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
     indices = joined.index_select(0, order)
     values = torch.cat([a.values, b.values]).index_select(0, order)
     device = indices.device
-    shared = torch.empty(0, dtype=torch.long, device=device)  # sorted positions whose index the next entry repeats
-    if indices.numel() > 1:
-        shared = torch.nonzero(indices[1:] == indices[:-1]).reshape(-1)
-    if shared.numel():
-        values.index_add_(0, shared, values.index_select(0, shared + 1))
-        first = torch.ones(indices.numel(), dtype=torch.bool, device=device)  # an index's first entry
-        first[shared + 1] = False
-        distinct = torch.nonzero(first).reshape(-1)  # sorted positions of the distinct indices
-        indices, values = indices.index_select(0, distinct), values.index_select(0, distinct)
-    else:
-        distinct = None
+    shared = torch.nonzero(indices[1:] == indices[:-1]).reshape(-1)  # sorted positions the next entry repeats
+    values.index_add_(0, shared, values.index_select(0, shared + 1))
+    first = torch.ones(indices.numel(), dtype=torch.bool, device=device)  # an index's first entry
+    first[shared + 1] = False
+    distinct = torch.nonzero(first).reshape(-1)  # sorted positions of the distinct indices
+    indices, values = indices.index_select(0, distinct), values.index_select(0, distinct)
     kept = _largest(values, k) if indices.numel() > k else torch.arange(indices.numel(), device=device)
     # each sorted entry's place in the result (-1: dropped); a repeated index's second entry follows its first
     place = torch.full((order.numel(),), -1, dtype=torch.long, device=device)
-    at = kept if distinct is None else distinct.index_select(0, kept)
-    place.index_put_((at,), torch.arange(kept.numel(), device=device))
-    if shared.numel():
-        place.index_copy_(0, shared + 1, place.index_select(0, shared))
+    place.index_put_((distinct.index_select(0, kept),), torch.arange(kept.numel(), device=device))
+    place.index_copy_(0, shared + 1, place.index_select(0, shared))
     moved = torch.empty_like(order).index_put_((order,), place)
     na = a.indices.numel()
     return SparseSet(indices.index_select(0, kept), values.index_select(0, kept)), moved[:na], moved[na:]

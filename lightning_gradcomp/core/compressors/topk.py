@@ -68,17 +68,10 @@ def kth_smallest(values: Tensor, rank: int) -> Tensor:
     spread = BAND_MARGIN * math.sqrt(BAND_SAMPLE * (rank / c) * (1 - rank / c)) + 1
     lo_at, hi_at = math.floor(expected - spread) - 1, math.ceil(expected + spread)
     # a band that reaches past the sample's ends is open there (below its least value, above its largest)
-    lo = sample[lo_at] if lo_at >= 0 else None
-    hi = sample[hi_at] if hi_at < BAND_SAMPLE else None
-    if lo is None and hi is None:
-        return torch.kthvalue(values, rank).values
-    below = 0 if lo is None else int((values < lo).sum())
-    if lo is None:
-        band = values <= hi
-    elif hi is None:
-        band = values >= lo
-    else:
-        band = (values >= lo) & (values <= hi)
+    lo = sample[lo_at] if lo_at >= 0 else -math.inf
+    hi = sample[hi_at] if hi_at < BAND_SAMPLE else math.inf
+    below = int((values < lo).sum())
+    band = (values >= lo) & (values <= hi)
     inside = torch.nonzero(band).reshape(-1)
     if not below < rank <= below + inside.numel():
         return torch.kthvalue(values, rank).values
