@@ -344,6 +344,15 @@ def test_ascending_top_k_keeps_the_k_largest_in_order_ties_included(k: int) -> N
         assert 3 in nan_kept.tolist() and nan_kept.numel() == k and bool((nan_kept[1:] > nan_kept[:-1]).all())
 
 
+@pytest.mark.parametrize("size", [1000, 100_000])  # below and above kth_smallest's band
+def test_ascending_top_k_without_ties_at_the_cut_is_the_k_largest(size: int) -> None:
+    gen = torch.Generator().manual_seed(size)
+    magnitudes = torch.randperm(size, generator=gen).float()  # distinct: the cut's entry alone is dropped
+    for k in (1, size // 100, size // 2, size - 1):
+        expected = torch.topk(magnitudes, k).indices.sort().values
+        assert torch.equal(ascending_top_k(magnitudes, k), expected), k
+
+
 @pytest.mark.parametrize(("centre", "spread"), [(0.0, 1.0), (0.3, 2.0), (1e-4, 3e-3)])
 def test_the_refitted_threshold_is_the_gaussians_quantile_for_the_target(centre: float, spread: float) -> None:
     d, seen, target = 10**6, 400, 7_500

@@ -17,14 +17,15 @@ STREAM_FRACTION = 8
 def sparse_nonzero(mask: Tensor) -> Tensor:
     """Ascending indices of the True entries of the flat bool ``mask``, fast when they are few.
 
-    Looks at eight entries at a time (one int64 word) first, then inside the words that hold any: about twice
-    as fast as ``torch.nonzero`` at 1% of entries set, as fast at 3% (one CPU thread).
+    Looks at eight entries at a time (one int64 word) first, then inside the words that hold any, gathered into
+    one flat mask (a 1-D ``nonzero``: a 2-D one writes twice the coordinates, more slowly): about twice as fast as
+    ``torch.nonzero`` at 1% of entries set, as fast at 3% (one CPU thread).
     """
     numel = mask.numel()
     body = numel - numel % 8
     words = torch.nonzero(mask[:body].view(torch.int64)).reshape(-1)
-    inside = torch.nonzero(mask[:body].view(-1, 8).index_select(0, words))
-    indices = words[inside[:, 0]] * 8 + inside[:, 1]
+    inside = torch.nonzero(mask[:body].view(-1, 8).index_select(0, words).reshape(-1)).reshape(-1)
+    indices = words.index_select(0, inside >> 3).mul_(8).add_(inside & 7)
     if body < numel:
         indices = torch.cat([indices, torch.nonzero(mask[body:]).reshape(-1) + body])
     return indices

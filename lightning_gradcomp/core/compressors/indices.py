@@ -102,7 +102,7 @@ def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tens
     low = low_bits(n, slots)
     lows = pack_bits(indices & ((1 << low) - 1), low, _bytes(slots * low))
     # the i-th index's high part h_i is written as a one at h_i + i: the ones' positions rise by 1 + (h_{i+1} - h_i)
-    ones = (indices >> low) + torch.arange(k, device=device)
+    ones = (indices >> low).add_(torch.arange(k, device=device))
     encoded = torch.cat([lows, _set_bits(ones, _bytes(slots + _high_values(n, low)))])
     assert encoded.numel() == size
     return encoded
@@ -144,7 +144,8 @@ def _set_bits(positions: Tensor, nbytes: int) -> Tensor:
     """``nbytes`` bytes whose set bits are exactly the distinct ``positions`` (one scatter into 64-bit words: distinct
     bits add without a carry, so the sum is their union)."""
     words = torch.zeros(-(-nbytes // 8), dtype=torch.long, device=positions.device)
-    words.index_add_(0, positions >> 6, torch.ones_like(positions) << (positions & (_WORD - 1)))
+    bits = torch.ones_like(positions).bitwise_left_shift_(positions & (_WORD - 1))  # in place: one temporary fewer
+    words.index_add_(0, positions >> 6, bits)
     return _bytes_of(words)[:nbytes]
 
 

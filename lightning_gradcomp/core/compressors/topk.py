@@ -35,8 +35,10 @@ def ascending_top_k(magnitudes: Tensor, k: int) -> Tensor:
         return torch.topk(magnitudes, k, sorted=False).indices.sort().values
     cut = kth_smallest(magnitudes, c - k)
     keep = magnitudes > cut
-    ties = magnitudes == cut
-    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))
+    wanted = k - int(torch.count_nonzero(keep))  # counted without an int64 copy of the mask (a bool sum makes one)
+    if wanted:  # else (the cut's entry alone is dropped, the usual case) no tie is kept: no running count of them
+        ties = magnitudes == cut
+        keep |= ties & (ties.cumsum(0) <= wanted)
     return torch.nonzero(keep).reshape(-1)
 
 
@@ -70,7 +72,7 @@ def kth_smallest(values: Tensor, rank: int) -> Tensor:
     # a band that reaches past the sample's ends is open there (below its least value, above its largest)
     lo = sample[lo_at] if lo_at >= 0 else -math.inf
     hi = sample[hi_at] if hi_at < BAND_SAMPLE else math.inf
-    below = int((values < lo).sum())
+    below = int(torch.count_nonzero(values < lo))
     band = (values >= lo) & (values <= hi)
     inside = torch.nonzero(band).reshape(-1)
     if not below < rank <= below + inside.numel():
