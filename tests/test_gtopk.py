@@ -226,13 +226,14 @@ def _dense(entries: dict[int, torch.Tensor], numel: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("k", [500, 1200])  # fewer than the distinct indices, then all of them
 @pytest.mark.parametrize("shared", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("ties", [False, True])
-def test_a_merge_is_the_reference_merge_and_tracks_where_every_entry_went(shared: float, ties: bool) -> None:
+def test_a_merge_is_the_reference_merge_and_tracks_where_every_entry_went(shared: float, ties: bool, k: int) -> None:
     """Both sides' entries: a position in the merged set when their index is there, -1 when a merge dropped it (an
     index both sides hold goes where their sum went, from either side)."""
     gen = torch.Generator().manual_seed(int(10 * shared) + 7 * ties)
-    numel, count, k = 5000, 600, 500
+    numel, count = 5000, 600
     pool = torch.randperm(numel, generator=gen)
     overlap = int(shared * count)
     a_indices = pool[:count].sort().values
@@ -248,6 +249,15 @@ def test_a_merge_is_the_reference_merge_and_tracks_where_every_entry_went(shared
     place = {i: p for p, i in enumerate(merged.indices.tolist())}
     for side, moved in ((a, moved_a), (b, moved_b)):
         assert moved.tolist() == [place.get(i, -1) for i in side.indices.tolist()]
+
+
+def test_a_merge_ranks_a_nan_first_and_tracks_it() -> None:
+    a = SparseSet(torch.tensor([1, 4, 6, 9]), torch.tensor([5.0, float("nan"), -1.0, 0.5]))
+    b = SparseSet(torch.tensor([2, 4, 9]), torch.tensor([-3.0, 2.0, 0.25]))
+    merged, moved_a, moved_b = merge_tracked(a, b, 3)
+    assert merged.indices.tolist() == [1, 2, 4] and bool(merged.values[2].isnan())
+    assert merged.values[:2].tolist() == [5.0, -3.0]
+    assert moved_a.tolist() == [0, 2, -1, -1] and moved_b.tolist() == [1, 2, -1]
 
 
 @pytest.mark.parametrize("size", SIZES)

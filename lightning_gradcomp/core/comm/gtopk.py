@@ -131,8 +131,10 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
     """:func:`merge`, with where each entry of ``a`` and of ``b`` went: its position in the result, or -1 (dropped).
 
     What lets gTop-k follow a rank's own entries through the rounds without a set-membership test per round.
-    The distinct entries are taken by their positions in the sorted union (``index_select``; ``masked_select`` by a
-    mask costs about twice as much on a CPU), and an index held twice gets the place its first entry got.
+    The entries are summed and chosen in the sorted union itself: an index held twice gets both values in its first
+    entry and a magnitude of -1 in its second, below every real one, so the ``k`` largest magnitudes are the ``k``
+    largest distinct entries in the same order (ties to the lower index), with no copy of the distinct entries out;
+    the second entry then gets the place its first entry got.
     """
     joined = torch.cat([a.indices, b.indices])
     order = _index_order(joined)
@@ -141,18 +143,29 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
     device = indices.device
     shared = torch.nonzero(indices[1:] == indices[:-1]).reshape(-1)  # sorted positions the next entry repeats
     values.index_add_(0, shared, values.index_select(0, shared + 1))
-    first = torch.ones(indices.numel(), dtype=torch.bool, device=device)  # an index's first entry
-    first[shared + 1] = False
-    distinct = torch.nonzero(first).reshape(-1)  # sorted positions of the distinct indices
-    indices, values = indices.index_select(0, distinct), values.index_select(0, distinct)
-    kept = _largest(values, k) if indices.numel() > k else torch.arange(indices.numel(), device=device)
+    repeats = shared + 1
+    if order.numel() - shared.numel() <= k:  # every distinct entry is kept
+        kept = _first_entries(order.numel(), repeats, device)
+    elif all_finite(values):
+        magnitudes = values.abs().index_fill_(0, repeats, -1.0)
+        kept = ascending_top_k(magnitudes, k)
+    else:  # a NaN: the k largest of the distinct entries, NaN first (as torch.topk ranks it)
+        distinct = _first_entries(order.numel(), repeats, device)
+        kept = distinct.index_select(0, _largest(values.index_select(0, distinct), k))
     # each sorted entry's place in the result (-1: dropped); a repeated index's second entry follows its first
     place = torch.full((order.numel(),), -1, dtype=torch.long, device=device)
-    place.index_put_((distinct.index_select(0, kept),), torch.arange(kept.numel(), device=device))
-    place.index_copy_(0, shared + 1, place.index_select(0, shared))
+    place.index_put_((kept,), torch.arange(kept.numel(), device=device))
+    place.index_copy_(0, repeats, place.index_select(0, shared))
     moved = torch.empty_like(order).index_put_((order,), place)
     na = a.indices.numel()
     return SparseSet(indices.index_select(0, kept), values.index_select(0, kept)), moved[:na], moved[na:]
+
+
+def _first_entries(count: int, repeats: Tensor, device: torch.device) -> Tensor:
+    """Ascending positions of the ``count`` sorted entries that are not the second of a repeated index."""
+    first = torch.ones(count, dtype=torch.bool, device=device)
+    first[repeats] = False
+    return torch.nonzero(first).reshape(-1)
 
 
 def _follow(where: Tensor, moved: Tensor) -> Tensor:
