@@ -518,7 +518,9 @@ def _spy_sketches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]
     """Record ``(rank, power iterations, accepted)`` of every sketch the compressor tries."""
     tried: list[tuple[int, int, bool]] = []
 
-    def spy(matrix: torch.Tensor, test_matrix: torch.Tensor, slack: float, power_iterations: int, out: object) -> object:
+    def spy(
+        matrix: torch.Tensor, test_matrix: torch.Tensor, slack: float, power_iterations: int, out: object
+    ) -> object:
         atoms = sketched_decomposition(matrix, test_matrix, slack, power_iterations, out)
         tried.append((test_matrix.shape[1], power_iterations, atoms is not None))
         return atoms

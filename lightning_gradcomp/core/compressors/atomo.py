@@ -279,7 +279,8 @@ class AtomoCompressor(Compressor):
         return self._decompose(x, reuse=False)
 
     def _decompose(self, x: Tensor, reuse: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`decompose`; with ``reuse`` a sketch's ``U`` and ``Vh`` fill buffers kept per shape (valid until the next call)."""
+        """:meth:`decompose`; with ``reuse`` a sketch's ``U`` and ``Vh`` fill buffers kept per shape (valid until the
+        next call)."""
         matrix = self.matrix_shape(x.shape, x.dtype)
         if matrix is None:
             raise ValueError(f"a tensor of shape {tuple(x.shape)} and {x.dtype} travels dense; it has no ATOMO atoms")
@@ -311,7 +312,7 @@ class AtomoCompressor(Compressor):
         return self._test_matrices[key]
 
     def _workspace(self, side: Tensor) -> tuple[Tensor, Tensor]:
-        """The ``(m, m)`` and ``(m, n)`` buffers a sketch of the wide ``side`` writes its atoms to, made once per shape."""
+        """The ``(m, m)`` and ``(m, n)`` buffers that sketches of the wide ``side`` write their atoms into."""
         key = (*side.shape, side.dtype, side.device)
         if key not in self._workspaces:
             m, n = side.shape

@@ -127,7 +127,7 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
         low = low_bits(n, slots)
         low_size = _bytes(slots * low)
         ones = _set_positions(buffer[low_size:], k)
-        indices = (ones - torch.arange(k, device=device)) << low
+        indices = ones.sub_(torch.arange(k, device=device)).bitwise_left_shift_(low)
         if low:
             indices |= unpack_bits(buffer[:low_size], k, low)
     if check and k and int(indices[-1]) >= n:
@@ -159,9 +159,15 @@ def _set_positions(buffer: Tensor, k: int) -> Tensor:
     if int(per_byte.sum()) != k:
         raise ValueError(f"the index bytes hold {int(per_byte.sum())} indices, expected {k}")
     byte = torch.repeat_interleave(torch.arange(buffer.numel(), device=buffer.device), per_byte, output_size=k)
-    first = per_byte.cumsum(0) - per_byte  # ones before each byte
-    rank = torch.arange(k, device=buffer.device) - first.index_select(0, byte)
-    return byte * 8 + bits.view(-1).index_select(0, values.index_select(0, byte) * 8 + rank)
+    first = per_byte.cumsum(0).sub_(per_byte)  # ones before each byte
+    # each one's rank within its byte picks its bit from the byte's table row; in place, three arrays of k at most
+    at = (
+        values.index_select(0, byte)
+        .mul_(8)
+        .add_(torch.arange(k, device=buffer.device))
+        .sub_(first.index_select(0, byte))
+    )
+    return bits.view(-1).index_select(0, at).add_(byte.mul_(8))
 
 
 def pack_bits(values: Tensor, width: int, nbytes: int) -> Tensor:

@@ -75,8 +75,8 @@ class Segments:
         if ascending or is_ascending(indices):
             edges = [0, *torch.searchsorted(indices, self._bounds).tolist(), indices.numel()]
             for part, start, lo, hi in zip(self.parts, self.starts, edges[:-1], edges[1:], strict=True):
-                if hi > lo:
-                    routes.append((slice(lo, hi), indices[lo:hi] - start, part))
+                if hi > lo:  # the first part's indices are its own: a view, no copy
+                    routes.append((slice(lo, hi), indices[lo:hi] - start if start else indices[lo:hi], part))
             return routes
         which = torch.searchsorted(self._bounds, indices, right=True)
         for i, (part, start) in enumerate(zip(self.parts, self.starts, strict=True)):

@@ -177,7 +177,9 @@ class SparseEntries:
         if is_ascending(self.indices):  # each slice's entries are one run: cut it by binary search
             edges = torch.searchsorted(self.indices, torch.tensor(starts, device=self.indices.device)).tolist()
             return [
-                SparseEntries(self.indices[lo:hi] - start, self.values[lo:hi], n, vouches, whole)
+                SparseEntries(
+                    self.indices[lo:hi] - start if start else self.indices[lo:hi], self.values[lo:hi], n, vouches, whole
+                )
                 for start, n, lo, hi in zip(starts[:-1], numels, edges[:-1], edges[1:], strict=True)
             ]
         parts = []

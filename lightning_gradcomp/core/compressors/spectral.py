@@ -115,7 +115,8 @@ def sketched_decomposition(
     t_inverse = torch.triu(vectors.T @ vectors, 1) + torch.diag(torch.where(trivial, 1.0, 1.0 / tau))
     t = torch.linalg.solve_triangular(t_inverse, torch.eye(r, dtype=matrix.dtype, device=matrix.device), upper=True)
     u_out, vh_out = (None, None) if out is None else out
-    coordinates = torch.addmm(matrix, vectors @ t.T, vectors.T.contiguous() @ matrix, alpha=-1, out=vh_out)  # H^T A = A - V T^T V^T A
+    # H^T A = A - V T^T V^T A
+    coordinates = torch.addmm(matrix, vectors @ t.T, vectors.T.contiguous() @ matrix, alpha=-1, out=vh_out)
     residual_sigma = torch.linalg.vector_norm(coordinates[r:], dim=1)  # below the sketched directions
     top_u, top_sigma, top_vh = spectral_decomposition(coordinates[:r])
     if float(residual_sigma.sum()) > slack * float(top_sigma.sum()):
