@@ -130,15 +130,14 @@ def merge(a: SparseSet, b: SparseSet, k: int) -> SparseSet:
 def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor, Tensor]:
     """:func:`merge`, with where each entry of ``a`` and of ``b`` went: its position in the result, or -1 (dropped).
 
-    What lets gTop-k follow a rank's own entries through the rounds without a set-membership test per round.
+    What lets gTop-k follow a rank's own entries through the rounds without a set-membership test per round (the
+    positions are int32 where the indices fit in it).
     The entries are summed and chosen in the sorted union itself: an index held twice gets both values in its first
     entry and a magnitude of -1 in its second, below every real one, so the ``k`` largest magnitudes are the ``k``
     largest distinct entries in the same order (ties to the lower index), with no copy of the distinct entries out;
     the second entry then gets the place its first entry got.
     """
-    joined = torch.cat([a.indices, b.indices])
-    order = _index_order(joined)
-    indices = joined.index_select(0, order)
+    indices, order = torch.sort(_joined(a.indices, b.indices), stable=True)  # the sorted indices come with it
     values = torch.cat([a.values, b.values]).index_select(0, order)
     device = indices.device
     shared = torch.nonzero(indices[1:] == indices[:-1]).reshape(-1)  # sorted positions the next entry repeats
@@ -147,18 +146,32 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
     if order.numel() - shared.numel() <= k:  # every distinct entry is kept
         kept = _first_entries(order.numel(), repeats, device)
     elif all_finite(values):
-        magnitudes = values.abs().index_fill_(0, repeats, -1.0)
-        kept = ascending_top_k(magnitudes, k)
+        kept = ascending_top_k(values.abs().index_fill_(0, repeats, -1.0), k)
     else:  # a NaN: the k largest of the distinct entries, NaN first (as torch.topk ranks it)
         distinct = _first_entries(order.numel(), repeats, device)
         kept = distinct.index_select(0, _largest(values.index_select(0, distinct), k))
+    merged = SparseSet(indices.index_select(0, kept).long(), values.index_select(0, kept))
+    positions = indices.dtype
+    del indices, values  # freed before the places are made: a merge's temporaries peak lower
     # each sorted entry's place in the result (-1: dropped); a repeated index's second entry follows its first
-    place = torch.full((order.numel(),), -1, dtype=torch.long, device=device)
-    place.index_put_((kept,), torch.arange(kept.numel(), device=device))
+    place = torch.full((order.numel(),), -1, dtype=positions, device=device)
+    place.index_put_((kept,), torch.arange(kept.numel(), dtype=positions, device=device))
     place.index_copy_(0, repeats, place.index_select(0, shared))
-    moved = torch.empty_like(order).index_put_((order,), place)
+    moved = torch.empty_like(place).index_put_((order,), place)
     na = a.indices.numel()
-    return SparseSet(indices.index_select(0, kept), values.index_select(0, kept)), moved[:na], moved[na:]
+    return merged, moved[:na], moved[na:]
+
+
+def _joined(a: Tensor, b: Tensor) -> Tensor:
+    """Two ascending index sets end to end, as int32 when they fit (sorted about three times faster than int64, in
+    half the memory; every position then fits too), else as int64."""
+    fits = all(t.numel() == 0 or (int(t[0]) >= 0 and int(t[-1]) < 2**31) for t in (a, b))
+    if not fits:
+        return torch.cat([a, b])
+    joined = torch.empty(a.numel() + b.numel(), dtype=torch.int32, device=a.device)
+    joined[: a.numel()].copy_(a)
+    joined[a.numel() :].copy_(b)
+    return joined
 
 
 def _first_entries(count: int, repeats: Tensor, device: torch.device) -> Tensor:

@@ -36,9 +36,8 @@ def ascending_top_k(magnitudes: Tensor, k: int) -> Tensor:
     cut = kth_smallest(magnitudes, c - k)
     keep = magnitudes > cut
     wanted = k - int(torch.count_nonzero(keep))  # counted without an int64 copy of the mask (a bool sum makes one)
-    if wanted:  # else (the cut's entry alone is dropped, the usual case) no tie is kept: no running count of them
-        ties = magnitudes == cut
-        keep |= ties & (ties.cumsum(0) <= wanted)
+    if wanted:  # the first ``wanted`` entries at the cut, found by position (a running count would be int64 of all)
+        keep[torch.nonzero(magnitudes == cut).reshape(-1)[:wanted]] = True
     return torch.nonzero(keep).reshape(-1)
 
 
