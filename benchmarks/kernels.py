@@ -18,7 +18,8 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 * Elias-Fano's low bits of 250,000 indices (6 bits each, density 0.01) packed and unpacked through int64 words
   against byte columns, eight values to ``width`` bytes;
 * ATOMO's atoms of a 512 x 3072 gradient of rank 32 (a linear layer's, batch 32): the exact decomposition
-  against the sketched one;
+  against the sketched one, and the atoms drawn added into a bucket through their dense matrix against one
+  ``addmm_``;
 * QSGD's 4-bit levels packed a pair at a time against as int16 lanes;
 
 and alone: Elias-Fano's encoding and decoding of 250,000 indices, gTop-k's merge of two such sets, and
@@ -85,6 +86,8 @@ def main() -> None:
     lows_packed = pack_bits(lows, 6, (250_000 * 6 + 7) // 8)
     layer = (torch.randn(512, 32, generator=generator) @ torch.randn(32, 3072, generator=generator)).to(device)
     atomo = AtomoCompressor(3)
+    atoms = atomo.compress(layer, torch.Generator(device=device).manual_seed(1))
+    bucket = torch.zeros(layer.numel(), device=device)
     pairs = [
         (
             f"multiply {args.numel} floats",
@@ -135,6 +138,11 @@ def main() -> None:
             "ATOMO's atoms of a 512 x 3072 gradient of rank 32",
             ("exact (Gram eigh)", lambda: spectral_decomposition(layer)),
             ("sketched (rank 32)", lambda: atomo.decompose(layer)),
+        ),
+        (
+            f"ATOMO's {atoms.atoms} atoms of that gradient added into a bucket",
+            ("through their dense matrix", lambda: bucket.add_(atoms.dense().reshape(-1))),
+            ("accumulate (one addmm_)", lambda: atomo.accumulate(atoms, bucket)),
         ),
     ]
     levels = torch.randint(-7, 8, (LAYER,), dtype=torch.int8, generator=generator).to(device)

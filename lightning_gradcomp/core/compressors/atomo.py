@@ -29,7 +29,7 @@ Choices of this implementation (each one documented where it happens):
   decomposition with 1.05 times the nuclear norm). A linear layer's gradient has rank at most the
   samples in the batch, which the sketch captures whole, so each rank is first tried without a
   power iteration (two fifths of the products) and then with one: on a 512 x 3072 layer (batch
-  32) the atoms cost 9.9 ms instead of 76 ms on one CPU thread, with the same variance. A sketch
+  32) the atoms cost 7.2 ms instead of 64 ms on one CPU thread, with the same variance. A sketch
   writes its atoms to two buffers kept per shape, out of which the payload copies the kept ones
   (a fresh ``(m, n)`` tensor's first touch cost more than the product that fills it). Other layers, and
   ``decomposition="full"``, take the exact decomposition (the authors' full SVD, computed through
