@@ -251,6 +251,16 @@ def test_a_merge_is_the_reference_merge_and_tracks_where_every_entry_went(shared
         assert moved.tolist() == [place.get(i, -1) for i in side.indices.tolist()]
 
 
+def test_a_merge_of_indices_past_int32_sorts_them_as_int64() -> None:
+    big = 2**33
+    a = SparseSet(torch.tensor([1, big, big + 7]), torch.tensor([1.0, 4.0, -2.0]))
+    b = SparseSet(torch.tensor([5, big]), torch.tensor([3.0, -1.0]))
+    merged, moved_a, moved_b = merge_tracked(a, b, 3)
+    assert merged.indices.dtype == torch.int64 and merged.indices.tolist() == [5, big, big + 7]
+    assert merged.values.tolist() == [3.0, 3.0, -2.0]
+    assert moved_a.tolist() == [-1, 1, 2] and moved_b.tolist() == [0, 1]
+
+
 def test_a_merge_ranks_a_nan_first_and_tracks_it() -> None:
     a = SparseSet(torch.tensor([1, 4, 6, 9]), torch.tensor([5.0, float("nan"), -1.0, 0.5]))
     b = SparseSet(torch.tensor([2, 4, 9]), torch.tensor([-3.0, 2.0, 0.25]))
