@@ -100,20 +100,19 @@ def _index_order(indices: Tensor) -> Tensor:
     return torch.sort(indices.int() if small else indices, stable=True).indices
 
 
-def _largest(values: Tensor, k: int) -> Tensor:
-    """Ascending positions of the ``k`` entries of largest ``|value|``, ties to the lower position (deterministic:
-    both partners of a merge keep the same entries)."""
-    if all_finite(values):
-        return ascending_top_k(values.abs(), k)
-    order = torch.argsort(values.abs(), descending=True, stable=True)[:k]  # NaN ranks first, as in torch.topk
-    return order.sort().values
+def _largest(magnitudes: Tensor, k: int) -> Tensor:
+    """Ascending positions of the ``k`` largest ``magnitudes``, ties to the lower position (deterministic: both
+    partners of a merge keep the same entries); a NaN ranks first, as in ``torch.topk``."""
+    if all_finite(magnitudes):
+        return ascending_top_k(magnitudes, k)
+    return torch.argsort(magnitudes, descending=True, stable=True)[:k].sort().values
 
 
 def keep_largest(entries: SparseSet, k: int) -> SparseSet:
     """The ``k`` entries of largest ``|value|``, ties to the lower index, in index order (all if there are fewer)."""
     if entries.indices.numel() <= k:
         return entries
-    kept = _largest(entries.values, k)
+    kept = _largest(entries.values.abs(), k)
     return SparseSet(entries.indices[kept], entries.values[kept])
 
 
@@ -145,11 +144,8 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
     repeats = shared + 1
     if order.numel() - shared.numel() <= k:  # every distinct entry is kept
         kept = _first_entries(order.numel(), repeats, device)
-    elif all_finite(values):
-        kept = ascending_top_k(values.abs().index_fill_(0, repeats, -1.0), k)
-    else:  # a NaN: the k largest of the distinct entries, NaN first (as torch.topk ranks it)
-        distinct = _first_entries(order.numel(), repeats, device)
-        kept = distinct.index_select(0, _largest(values.index_select(0, distinct), k))
+    else:
+        kept = _largest(values.abs().index_fill_(0, repeats, -1.0), k)
     merged = SparseSet(indices.index_select(0, kept).long(), values.index_select(0, kept))
     positions = indices.dtype
     del indices, values  # freed before the places are made: a merge's temporaries peak lower
