@@ -8,6 +8,8 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 * a multiply into a fresh tensor against the same multiply into a kept one (page faults of a new
   allocation against the arithmetic);
 * PowerSGD's second product ``M^T P`` computed as written against ``(P^T M)^T``;
+* Top-k's sample of 65,536 positions (its threshold's) from the counter stream: 53-bit integers of two draws each
+  against one draw each;
 * Top-k's candidates ``|x| >= thr`` at density 0.01 through per-block maxima against one streamed pass,
   and the streamed pass's test on one chunk: ``abs`` then ``>=`` against ``hardshrink`` then a cast;
 * the fp16 wire's summand ``x / P`` rounded to float16: one mixed-dtype multiply against ``scaled_cast``;
@@ -38,6 +40,7 @@ from lightning_gradcomp.core.compressors import blocks, qsgd
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks, streamed_above
+from lightning_gradcomp.core.compressors.draws import random_integers, random_positions
 from lightning_gradcomp.core.compressors.indices import (
     decode_indices,
     encode_indices,
@@ -50,6 +53,7 @@ from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
 from lightning_gradcomp.core.compressors.ternary import stochastic_levels
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, kth_smallest
+from lightning_gradcomp.core.randomness import CounterStream
 
 #: the 25.2M MLP's largest layer, 4096 x 4096
 LAYER = 4096 * 4096
@@ -98,6 +102,11 @@ def main() -> None:
             "PowerSGD's M^T P, 4096 x 4096, rank 4",
             ("torch.matmul(M.T, P)", lambda: torch.matmul(matrix.T, p)),
             ("torch.matmul(P.T, M).T", lambda: torch.matmul(p.T, matrix).T.contiguous()),
+        ),
+        (
+            f"Top-k's sample of 65,536 positions of {args.numel}",
+            ("53-bit integers", lambda: random_integers(CounterStream(7, device), args.numel, 1 << 16, device)),
+            ("one draw each", lambda: random_positions(CounterStream(7, device), args.numel, 1 << 16, device)),
         ),
         (
             "Top-k candidates |x| >= thr at density 0.01",

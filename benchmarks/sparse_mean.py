@@ -1,11 +1,12 @@
-"""When a sparse mean should divide entry by entry and when it should divide the whole tensor.
+"""How a sparse mean should divide by the world size: entry by entry, the whole tensor, or not at all.
 
 The mean of the ranks' Top-k payloads is written over the tensor: zeroed, every rank's entries added, then divided by
 the world size. Dividing only where entries landed skips a streamed pass over the tensor but reads and writes each
-entry at a random place. This script times both for a 25.2M-entry tensor (the MLP of the step benchmarks: one flat
-tensor, and the same entries in its six parameters' pieces, as DDP's buckets hold them) and two ranks' payloads, at
-several densities, on one CPU thread (or ``--device cuda``), and says which one the library takes
-(``SPARSE_DIVISION``). Both give the same tensor (checked before timing).
+entry at a random place. Over a power-of-two number of ranks the entries are added times ``1 / world`` instead, which
+needs no division at all. This script times the three for a 25.2M-entry tensor (the MLP of the step benchmarks: one
+flat tensor, and the same entries in its six parameters' pieces, as DDP's buckets hold them) and two ranks' payloads,
+at several densities, on one CPU thread (or ``--device cuda``), and says which one the library takes (scaled over
+two ranks; over others, entrywise up to ``SPARSE_DIVISION``). All give the same tensor (checked before timing).
 
     python benchmarks/sparse_mean.py --json benchmarks/results/sparse_mean_cpu.json
 """
@@ -44,17 +45,24 @@ def measure(density: float, generator: torch.Generator, repeats: int, device: to
     def streamed(out: torch.Tensor | Segments) -> torch.Tensor | Segments:
         return Compressor.average_all(codec, payloads, out, 2)
 
+    def scaled(out: torch.Tensor | Segments) -> torch.Tensor | Segments:
+        return codec.average_scaled(payloads, out, 2)
+
     flat = torch.empty(numel, device=device)
     pieces = Segments([torch.empty(n, device=device) for n in SIZES])
     expected = streamed(flat).clone()
     assert torch.equal(entrywise(flat), expected), "the entrywise division differs from the streamed one"
     assert torch.equal(torch.cat(entrywise(pieces).parts), expected), "the pieces' mean differs"
+    assert torch.equal(scaled(flat), expected), "the scaled entries differ from the streamed division"
+    assert torch.equal(torch.cat(scaled(pieces).parts), expected), "the pieces' scaled mean differs"
     landed = sum(p.indices.numel() for p in payloads) / numel
     row: dict[str, object] = {"density": density, "landed": landed}
-    row["library divides"] = "entrywise" if landed <= SPARSE_DIVISION else "streamed"
+    row["library divides, 3 ranks"] = "entrywise" if landed <= SPARSE_DIVISION else "streamed"
+    row["library divides, 2 ranks"] = "scaled"
     for name, out in (("flat", flat), ("pieces", pieces)):
         row[f"{name}, entrywise ms"] = best_ms(lambda out=out: entrywise(out), repeats, device)
         row[f"{name}, streamed ms"] = best_ms(lambda out=out: streamed(out), repeats, device)
+        row[f"{name}, scaled ms"] = best_ms(lambda out=out: scaled(out), repeats, device)
     return row
 
 
@@ -68,8 +76,9 @@ def main() -> None:
         rows.append(row)
         print(
             f"density {density}: {row['landed']:.2%} landed; flat {row['flat, entrywise ms']:.1f} entrywise, "
-            f"{row['flat, streamed ms']:.1f} streamed; pieces {row['pieces, entrywise ms']:.1f} entrywise, "
-            f"{row['pieces, streamed ms']:.1f} streamed (library: {row['library divides']})",
+            f"{row['flat, streamed ms']:.1f} streamed, {row['flat, scaled ms']:.1f} scaled; pieces "
+            f"{row['pieces, entrywise ms']:.1f} entrywise, {row['pieces, streamed ms']:.1f} streamed, "
+            f"{row['pieces, scaled ms']:.1f} scaled (library: {row['library divides, 3 ranks']} over 3 ranks)",
             flush=True,
         )
     where = "one CPU thread" if device.type == "cpu" else torch.cuda.get_device_name(device)

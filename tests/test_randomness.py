@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_terngrad import Z_LIMIT
 
-from lightning_gradcomp.core.compressors.draws import random_integers, random_subset
+from lightning_gradcomp.core.compressors.draws import random_integers, random_positions, random_subset
 from lightning_gradcomp.core.randomness import (
     CounterStream,
     UnitStreams,
@@ -96,6 +96,25 @@ def test_pairs_of_successive_bytes_are_uniform() -> None:
     expected = (1 << 23) / 65536
     chi2 = float(((cells - expected) ** 2 / expected).sum())
     assert abs(chi2 - 65535) <= Z_LIMIT * math.sqrt(2 * 65535), chi2
+
+
+def test_sample_positions_take_one_draw_each_and_are_uniform_to_high_over_two_to_the_32() -> None:
+    """A position is ``floor(b high / 2^32)`` of one 32-bit draw ``b`` (the stream's counters advance by one per
+    position): the reference in Python integers, every value below ``high``, and a chi-square test over 1,000 cells
+    (each value's probability is off ``1 / high`` by at most ``high / 2^32`` of it: invisible at this size)."""
+    stream = CounterStream(KEYS[2])
+    high = 1_000
+    drawn = random_positions(stream, high, N, torch.device("cpu"))
+    assert drawn.dtype == torch.int64 and stream.offset == N
+    assert drawn.tolist()[:64] == [(reference_bits(KEYS[2], i) * high) >> 32 for i in range(64)]
+    assert drawn.min() >= 0 and drawn.max() < high
+    counts = torch.bincount(drawn, minlength=high).double()
+    chi2 = float(((counts - N / high) ** 2 / (N / high)).sum())
+    assert abs(chi2 - (high - 1)) <= Z_LIMIT * math.sqrt(2 * (high - 1)), chi2
+    big = (1 << 31) + 5  # past 2^31 a product would not fit in int64: the 53-bit integers instead
+    assert torch.equal(CounterStream(KEYS[3]).positions(big, 1000), CounterStream(KEYS[3]).integers(big, 1000))
+    top = random_positions(CounterStream(KEYS[3]), 1 << 31, N, torch.device("cpu"))
+    assert top.max() < 1 << 31 and top.min() >= 0
 
 
 def test_integers_and_subsets_from_a_counter_stream_are_uniform() -> None:

@@ -104,6 +104,30 @@ def test_the_sparse_mean_into_pieces_is_the_streamed_division_of_the_summed_entr
         assert torch.equal(average(received, torch.cat(_parts(4)), 3), expected)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("wire", [None, "bf16"])
+def test_a_sparse_mean_over_a_power_of_two_ranks_scales_each_entry_and_equals_the_divided_sum_bit_for_bit(
+    wire: str | None, world: int
+) -> None:
+    """Over 2 or 4 ranks the mean adds each entry times ``1 / world`` (no division pass): the sum of the overlapping
+    selections divided by ``world``, bit for bit, into one tensor and into pieces; 3 ranks divide as before."""
+    topk = TopKCompressor(density=0.01)
+    codec = topk if wire is None else WirePrecision(topk, wire)
+    received = []
+    for seed in range(world):
+        payload = codec.compress(Segments(_parts(seed)), torch.Generator().manual_seed(seed))
+        received.append(codec.unpack(payload.to_bytes(), torch.Size([sum(SIZES)]), torch.float32))
+    summed = codec.accumulate_all(received, torch.zeros(sum(SIZES)))
+    expected = summed / world
+    assert (summed != 0).sum() > max(p.selected for p in received)  # the selections differ and overlap in part
+    segments = Segments([p.clone() for p in _parts(4)])
+    codec.average_all(received, segments, world)
+    assert torch.equal(torch.cat(segments.parts), expected)
+    assert torch.equal(codec.average_all(received, torch.cat(_parts(4)), world), expected)
+    scaled = topk.average_scaled([p.arrived() for p in received] if wire else received, torch.empty(sum(SIZES)), 3)
+    assert not torch.equal(scaled, summed / 3)  # 1/3 is inexact: three ranks divide the sum instead
+
+
 @pytest.mark.parametrize("wire", [None, "fp16", "bf16"])
 def test_a_dense_unit_read_in_pieces_is_summed_and_decoded_as_its_flat_copy(wire: str | None) -> None:
     """The dense wire (``ddp_fp16``'s: a unit across DDP's buckets) joins the pieces into its summand in the pass that

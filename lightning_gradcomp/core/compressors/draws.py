@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.randomness import CounterStream
 
-__all__ = ["Draws", "random_bytes", "random_integers", "random_subset", "uniform"]
+__all__ = ["Draws", "random_bytes", "random_integers", "random_positions", "random_subset", "uniform"]
 
 #: What a compressor's ``generator`` argument may be.
 Draws = torch.Generator | CounterStream | None
@@ -35,6 +35,15 @@ def random_integers(draws: Draws, high: int, count: int, device: torch.device) -
     """``count`` uniform integers in ``[0, high)`` (int64)."""
     if isinstance(draws, CounterStream):
         return draws.integers(high, count).to(device)
+    return torch.randint(high, (count,), generator=draws, device=device)
+
+
+def random_positions(draws: Draws, high: int, count: int, device: torch.device) -> Tensor:
+    """``count`` integers in ``[0, high)`` (int64) for a sample of positions: a counter stream's from one 32-bit draw
+    each (:meth:`~lightning_gradcomp.core.randomness.CounterStream.positions`, uniform to ``high / 2^32``), a
+    generator's as :func:`random_integers`."""
+    if isinstance(draws, CounterStream):
+        return draws.positions(high, count).to(device)
     return torch.randint(high, (count,), generator=draws, device=device)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import streams
-from lightning_gradcomp.core.compressors.draws import Draws, random_integers
+from lightning_gradcomp.core.compressors.draws import Draws, random_positions
 from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels, normal_quantile
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
@@ -162,7 +162,7 @@ class GaussianKCompressor(TopKCompressor):
         samples = max(self.sample_size(d), math.ceil(REFIT_SAMPLED * d / (TARGET * k)))
         if generator is None or samples >= d:
             return None
-        return take(flat, random_integers(generator, d, samples, flat.device)).abs()
+        return take(flat, random_positions(generator, d, samples, flat.device)).abs()
 
     def _refit(self, sample: Tensor | None, k: int, d: int, thr: float, centre: float, count: int) -> float | None:
         """The first refinement's threshold, aimed at ``TARGET * k`` entries: the magnitude the ``sample`` puts there

@@ -28,6 +28,11 @@ def sparse_nbytes(numel: int, k: int, float_itemsize: int, slots: int | None = N
     return 8 + encoded_nbytes(numel, k, slots) + (k if slots is None else slots) * float_itemsize
 
 
+def is_power_of_two(n: int) -> bool:
+    """Whether ``n`` is 1, 2, 4, 8, ...: a world size whose ``1 / n`` is exact in binary floating point."""
+    return n > 0 and n & (n - 1) == 0
+
+
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty(0, dtype=dtype).element_size()
@@ -119,9 +124,9 @@ class SparsePayload(Payload):
         values = reader.take(k if slots is None else slots, dtype)[:k]
         return cls(indices, values, shape, slots)
 
-    def accumulate(self, out: Tensor) -> Tensor:
-        """Add the entries into the flat dense tensor ``out`` (in place)."""
-        return out.index_add_(0, self.indices, self.values)
+    def accumulate(self, out: Tensor, alpha: float = 1.0) -> Tensor:
+        """Add the entries, times ``alpha``, into the flat dense tensor ``out`` (in place)."""
+        return out.index_add_(0, self.indices, self.values, alpha=alpha)
 
 
 def zero_padded(t: Tensor, extra: int) -> Tensor:
@@ -221,14 +226,28 @@ class FixedKSparsifier(Compressor):
         return payload.accumulate(out)
 
     def average_all(self, payloads: Sequence[Payload], out: Tensor | Segments, world: int) -> Tensor | Segments:
-        """The mean written over ``out``: :meth:`average_where_landed` while the entries of all ranks together are at
-        most :data:`SPARSE_DIVISION` of the tensor (past it, a read and a write at each entry cost more than a streamed
+        """The mean written over ``out``: over a power-of-two number of ranks, :meth:`average_scaled` (no division);
+        else :meth:`average_where_landed` while the entries of all ranks together are at most
+        :data:`SPARSE_DIVISION` of the tensor (past it, a read and a write at each entry cost more than a streamed
         division), else the whole tensor divided."""
         sparse = all(isinstance(p, SparsePayload) for p in payloads)
+        if sparse and is_power_of_two(world):
+            return self.average_scaled(payloads, out, world)  # type: ignore[arg-type]
         landed = sum(p.indices.numel() for p in payloads) if sparse else None  # type: ignore[attr-defined]
         if landed is None or landed > SPARSE_DIVISION * out.numel():
             return super().average_all(payloads, out, world)
         return self.average_where_landed(payloads, out, world)  # type: ignore[arg-type]
+
+    @staticmethod
+    def average_scaled(payloads: Sequence[SparsePayload], out: Tensor | Segments, world: int) -> Tensor | Segments:
+        """``out`` zeroed and every rank's entries added in rank order times ``1 / world``, a power of two: one dense
+        pass (the zeroing) and no division. Scaling by a power of two commutes with every rounding of the sum, so
+        the mean is bit for bit the sum divided by ``world``, but where a value or a partial sum lies among the
+        subnormals or the sum alone overflows."""
+        out.zero_()
+        for payload in payloads:
+            payload.accumulate(out, alpha=1.0 / world)
+        return out
 
     def average_where_landed(
         self, payloads: Sequence[SparsePayload], out: Tensor | Segments, world: int

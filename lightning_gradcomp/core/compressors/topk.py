@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import all_finite
-from lightning_gradcomp.core.compressors.draws import Draws, random_integers
+from lightning_gradcomp.core.compressors.draws import Draws, random_positions
 from lightning_gradcomp.core.compressors.ladder import top_k_by_levels
 from lightning_gradcomp.core.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
@@ -153,7 +153,7 @@ class TopKCompressor(FixedKSparsifier):
         k = k_for(d, self.density)
         expected = s * k / d
         rank = min(s, max(1, math.ceil(expected + self.margin * math.sqrt(expected))))
-        positions = random_integers(generator, d, s, flat.device)
+        positions = random_positions(generator, d, s, flat.device)
         sample = take(flat, positions).abs()
         return float(torch.topk(sample, rank, sorted=False).values.min())
 
