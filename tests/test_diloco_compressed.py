@@ -116,7 +116,7 @@ def _compressed_diloco_reference(
                     part = torch.zeros(p.numel()).index_add_(0, payload.indices, payload.values).view_as(p)
                     errors[rank][i] = e - part
                     parts.append(part)
-                    masks.append(torch.zeros(p.numel()).index_fill_(0, payload.indices, 1.0).view_as(p))
+                    masks.append(torch.zeros(p.numel()).index_put_((payload.indices,), torch.tensor(1.0)).view_as(p))
                 sent.append(parts)
                 chosen.append(masks)
             mean = []

@@ -41,7 +41,7 @@ def test_gaussian_k_from_pieces_keeps_its_guarantees(density: float) -> None:
     k = int(density * flat.numel())
     pieced = compressor.compress(Segments(parts))
     assert k // 2 <= pieced.k <= k
-    chosen = torch.zeros(flat.numel(), dtype=torch.bool).index_fill_(0, pieced.indices, True)
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool).index_put_((pieced.indices,), torch.tensor(True))
     assert torch.equal(pieced.values, flat[pieced.indices])
     assert flat[chosen].abs().min() >= flat[~chosen].abs().max()
     assert pieced.nbytes == compressor.payload_nbytes(pieced.shape, pieced.dtype)

@@ -272,7 +272,7 @@ _VELOCITY = "velocity:"
 def _zero_where_sent(velocity: Tensor, sent: Sent) -> None:
     """Momentum factor masking (Lin et al., 2018, Sec. 3.2): no velocity where entries were sent."""
     if isinstance(sent, SparseEntries):
-        velocity.index_fill_(0, sent.indices, 0)
+        velocity.index_put_((sent.indices,), velocity.new_zeros(()))  # int32 indices too
     else:  # dense, or entries kept encoded (scaled signs, ternary codes): masked where they are not zero
         velocity.masked_fill_(dense_of(sent) != 0, 0)
 

@@ -74,7 +74,8 @@ _COUNT_DTYPE = torch.int64
 
 @dataclass(frozen=True)
 class SparseSet:
-    """At most ``k`` entries of a flat tensor: ascending unique ``indices`` (int64) and their ``values``."""
+    """At most ``k`` entries of a flat tensor: ascending unique ``indices`` (int32 where they fit, as payloads and
+    merges make them, else int64) and their ``values``."""
 
     indices: Tensor
     values: Tensor
@@ -82,7 +83,7 @@ class SparseSet:
 
 def canonical(indices: Tensor, values: Tensor) -> SparseSet:
     """Sort entries by index, summing the values of repeated indices (a payload's indices should be unique)."""
-    indices = indices.reshape(-1).long()
+    indices = indices.reshape(-1)  # in the payload's own dtype (int32 where the tensor's positions fit)
     values = values.reshape(-1)
     if is_ascending(indices):  # Top-k's payloads come in order: nothing to sort or sum
         return SparseSet(indices, values)
@@ -95,7 +96,7 @@ def canonical(indices: Tensor, values: Tensor) -> SparseSet:
 
 
 def _index_order(indices: Tensor) -> Tensor:
-    """The stable ascending order of int64 ``indices`` (sorted as int32 when they fit: about three times faster)."""
+    """The stable ascending order of ``indices`` (sorted as int32 when they fit: about three times faster)."""
     small = indices.numel() == 0 or (int(indices.min()) >= 0 and int(indices.max()) < 2**31)
     return torch.sort(indices.int() if small else indices, stable=True).indices
 
@@ -146,7 +147,7 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
         kept = _first_entries(order.numel(), repeats, device)
     else:
         kept = _largest(values.abs().index_fill_(0, repeats, -1.0), k)
-    merged = SparseSet(indices.index_select(0, kept).long(), values.index_select(0, kept))
+    merged = SparseSet(indices.index_select(0, kept), values.index_select(0, kept))
     positions = indices.dtype
     del indices, values  # freed before the places are made: a merge's temporaries peak lower
     # each sorted entry's place in the result (-1: dropped); a repeated index's second entry follows its first
@@ -296,6 +297,7 @@ def _sorted_isin(elements: Tensor, test: Tensor) -> Tensor:
     """``torch.isin`` for ascending unique ``elements`` and ``test``, by one binary search per element."""
     if not test.numel():
         return torch.zeros(elements.numel(), dtype=torch.bool, device=elements.device)
+    test = test if test.dtype == elements.dtype else test.to(elements.dtype)  # else searchsorted widens them all
     at = torch.searchsorted(test, elements).clamp(max=test.numel() - 1)
     return test[at] == elements
 
@@ -384,7 +386,7 @@ class GTopKAggregator(Aggregator):
             reached_by = [_sorted_isin(m.indices, g.indices[f]) for m, g, f in zip(local, held, masks, strict=True)]
         else:
             # where this rank's own entries sit in the sets held (-1: dropped by a merge), and the folded rank's
-            where = [torch.arange(m.indices.numel(), device=device) for m in local]
+            where = [torch.arange(m.indices.numel(), dtype=torch.int32, device=device) for m in local]  # k < 2^31
             folded = rank + base if rank + base < world else None
             if folded is not None:
                 theirs, _ = _unpack(p2p.recv(size, folded, device), units)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, chunk_for
+from lightning_gradcomp.core.compressors.indices import position_dtype
 from lightning_gradcomp.core.validation import check_int
 
 #: Past one passing block in this many, :meth:`MagnitudeBlocks.above` streams over the whole tensor instead.
@@ -33,30 +34,37 @@ def sparse_nonzero(mask: Tensor) -> Tensor:
 
 def streamed_above(flat: Tensor, thr: float, inclusive: bool = False) -> Tensor:
     """Ascending indices of the entries of the 1-D ``flat`` with ``|x| > thr`` (``>=`` when ``inclusive``), chunk by
-    chunk: no temporary of the tensor's size (``|x|`` and its mask of a whole 25M-entry model would be 125 MB).
+    chunk: no temporary of the tensor's size (``|x|`` and its mask of a whole 25M-entry model would be 125 MB). The
+    indices are int32 while ``flat`` has at most ``2^31`` entries (:func:`~.indices.position_dtype`).
 
     The test is ``hardshrink``'s, ``|x| > lambda`` in one pass (``lambda``: ``thr``, or the ``flat`` dtype's
     number just below it for ``>=``), and its result becomes a mask by a cast: on one CPU thread 3.5x faster
     than ``abs`` then a comparison (``benchmarks/kernels.py``). A NaN passes (as ``torch.topk`` ranks NaN above
-    everything).
+    everything). The mask covers a chunk, whose set entries one :func:`sparse_nonzero` finds; the test's values go
+    through a buffer of a quarter of it (on the CPU: 1 MiB of fp32 instead of 4).
     """
+    dtype = position_dtype(flat.numel())
     if thr < 0 or (inclusive and thr == 0):
-        return torch.arange(flat.numel(), device=flat.device)
+        return torch.arange(flat.numel(), dtype=dtype, device=flat.device)
     if inclusive:
         below = torch.tensor(thr, dtype=flat.dtype).nextafter(torch.tensor(-math.inf, dtype=flat.dtype))
         thr = float(below)
     span = chunk_for(flat.device, STREAM_CHUNK)
     size = min(flat.numel(), span)
-    shrunk = torch.empty(size, dtype=flat.dtype, device=flat.device)
+    quarter = -(-size // 4) if flat.device.type == "cpu" else size
+    shrunk = torch.empty(quarter, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(size, dtype=torch.bool, device=flat.device)
     found = []
     for start in range(0, flat.numel(), span):
         chunk = flat[start : start + span]
         n = chunk.numel()
-        torch.ops.aten.hardshrink.out(chunk, thr, out=shrunk[:n])
-        mask[:n].copy_(shrunk[:n])
-        found.append(sparse_nonzero(mask[:n]).add_(start))
-    return torch.cat(found) if found else torch.empty(0, dtype=torch.long, device=flat.device)
+        for at in range(0, n, quarter):
+            piece = chunk[at : at + quarter]
+            m = piece.numel()
+            torch.ops.aten.hardshrink.out(piece, thr, out=shrunk[:m])
+            mask[at : at + m].copy_(shrunk[:m])
+        found.append(sparse_nonzero(mask[:n]).to(dtype).add_(start))
+    return torch.cat(found) if found else torch.empty(0, dtype=dtype, device=flat.device)
 
 
 class BlockPeaks:

@@ -28,8 +28,10 @@ __all__ = [
     "index_format",
     "is_ascending",
     "low_bits",
+    "narrowed",
     "pack_bits",
     "pack_words",
+    "position_dtype",
     "unpack_bits",
     "unpack_words",
 ]
@@ -96,22 +98,23 @@ def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tens
     kind = index_format(n, slots)
     if kind == "empty":
         return torch.empty(0, dtype=torch.uint8, device=device)
-    indices = indices.reshape(-1).long()
+    indices = indices.reshape(-1).to(position_dtype(n))
     if kind == "bitmap":
         return _set_bits(indices, _bytes(n))
     low = low_bits(n, slots)
     lows = pack_bits(indices & ((1 << low) - 1), low, _bytes(slots * low))
     # the i-th index's high part h_i is written as a one at h_i + i: the ones' positions rise by 1 + (h_{i+1} - h_i)
-    ones = (indices >> low).add_(torch.arange(k, device=device))
+    ones = (indices >> low).add_(torch.arange(k, dtype=indices.dtype, device=device))
     encoded = torch.cat([lows, _set_bits(ones, _bytes(slots + _high_values(n, low)))])
     assert encoded.numel() == size
     return encoded
 
 
 def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) -> Tensor:
-    """The ``k`` ascending int64 indices that :func:`encode_indices` wrote into ``buffer`` (uint8, exactly
-    :func:`encoded_nbytes` long). The bytes are checked to hold exactly ``k`` indices (one number read back from
-    the device), and on the CPU also that they lie below ``n``."""
+    """The ``k`` ascending indices that :func:`encode_indices` wrote into ``buffer`` (uint8, exactly
+    :func:`encoded_nbytes` long), as :func:`position_dtype` of ``n`` (int32 up to ``2^31`` elements). The bytes are
+    checked to hold exactly ``k`` indices (one number read back from the device), and on the CPU also that they lie
+    below ``n``."""
     slots = k if capacity is None else capacity
     size = encoded_nbytes(n, k, capacity)
     if buffer.numel() != size:
@@ -119,7 +122,7 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
     kind = index_format(n, slots)
     device = buffer.device
     if kind == "empty":
-        return torch.empty(0, dtype=torch.long, device=device)
+        return torch.empty(0, dtype=position_dtype(n), device=device)
     check = device.type == "cpu"
     if kind == "bitmap":
         indices = _set_positions(buffer, k)
@@ -127,9 +130,11 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
         low = low_bits(n, slots)
         low_size = _bytes(slots * low)
         ones = _set_positions(buffer[low_size:], k)
-        indices = ones.sub_(torch.arange(k, device=device)).bitwise_left_shift_(low)
+        if ones.dtype != position_dtype(n):
+            ones = ones.to(position_dtype(n))
+        indices = ones.sub_(torch.arange(k, dtype=ones.dtype, device=device)).bitwise_left_shift_(low)
         if low:
-            indices |= unpack_bits(buffer[:low_size], k, low)
+            indices |= unpack_bits(buffer[:low_size], k, low).to(indices.dtype)
     if check and k and int(indices[-1]) >= n:
         raise ValueError(f"an index {int(indices[-1])} is out of range for {n} elements")
     return indices
@@ -141,11 +146,13 @@ _WORD = 64
 
 
 def _set_bits(positions: Tensor, nbytes: int) -> Tensor:
-    """``nbytes`` bytes whose set bits are exactly the distinct ``positions`` (one scatter into 64-bit words: distinct
-    bits add without a carry, so the sum is their union)."""
-    words = torch.zeros(-(-nbytes // 8), dtype=torch.long, device=positions.device)
-    bits = torch.ones_like(positions).bitwise_left_shift_(positions & (_WORD - 1))  # in place: one temporary fewer
-    words.index_add_(0, positions >> 6, bits)
+    """``nbytes`` bytes whose set bits are exactly the distinct ``positions`` (one scatter into words of the positions'
+    width, 32 or 64 bits: distinct bits add without a carry, and every partial sum of them is representable, so the sum
+    is their union)."""
+    width = 8 * positions.element_size()
+    words = torch.zeros(-(-nbytes * 8 // width), dtype=positions.dtype, device=positions.device)
+    bits = torch.ones_like(positions).bitwise_left_shift_(positions & (width - 1))  # in place: one temporary fewer
+    words.index_add_(0, positions >> (width.bit_length() - 1), bits)
     return _bytes_of(words)[:nbytes]
 
 
@@ -154,20 +161,36 @@ def _set_positions(buffer: Tensor, k: int) -> Tensor:
     one's bit from a table of the byte's set bits. The count is checked on every device (one number read back):
     spreading the bytes over ``k`` positions must not run past them on malformed bytes."""
     counts, bits = _byte_tables(buffer.device)
-    values = buffer.long()
+    dtype = position_dtype(8 * buffer.numel())
+    values = buffer.to(dtype)
     per_byte = counts.index_select(0, values)
     if int(per_byte.sum()) != k:
         raise ValueError(f"the index bytes hold {int(per_byte.sum())} indices, expected {k}")
-    byte = torch.repeat_interleave(torch.arange(buffer.numel(), device=buffer.device), per_byte, output_size=k)
-    first = per_byte.cumsum(0).sub_(per_byte)  # ones before each byte
+    byte = torch.repeat_interleave(
+        torch.arange(buffer.numel(), dtype=dtype, device=buffer.device), per_byte, output_size=k
+    )
+    first = per_byte.cumsum(0, dtype=dtype).sub_(per_byte)  # ones before each byte
     # each one's rank within its byte picks its bit from the byte's table row; in place, three arrays of k at most
     at = (
         values.index_select(0, byte)
         .mul_(8)
-        .add_(torch.arange(k, device=buffer.device))
+        .add_(torch.arange(k, dtype=dtype, device=buffer.device))
         .sub_(first.index_select(0, byte))
     )
-    return bits.view(-1).index_select(0, at).add_(byte.mul_(8))
+    picked = bits.view(-1).index_select(0, at)  # int32 bits: widened only for positions past int32
+    return (picked if picked.dtype == dtype else picked.to(dtype)).add_(byte.mul_(8))
+
+
+def position_dtype(n: int) -> torch.dtype:
+    """The integer dtype of positions below ``n``: int32 while they fit (half the bytes of int64 to move), else
+    int64."""
+    return torch.int32 if n <= 1 << 31 else torch.int64
+
+
+def narrowed(indices: Tensor, n: int) -> Tensor:
+    """``indices`` below ``n`` as :func:`position_dtype` of ``n`` (themselves where they are already)."""
+    dtype = position_dtype(n)
+    return indices if indices.dtype == dtype else indices.to(dtype)
 
 
 def pack_bits(values: Tensor, width: int, nbytes: int) -> Tensor:
@@ -266,7 +289,7 @@ def unpack_words(buffer: Tensor, count: int, width: int) -> Tensor:
 def _bytes_of(words: Tensor) -> Tensor:
     """The words' bytes in bit-stream order (little-endian words as they lie in memory)."""
     raw = words.view(torch.uint8)
-    return raw if sys.byteorder == "little" else raw.view(-1, 8).flip(1).reshape(-1)
+    return raw if sys.byteorder == "little" else raw.view(-1, words.element_size()).flip(1).reshape(-1)
 
 
 def _words_of(buffer: Tensor, extra: int = 0) -> Tensor:
@@ -287,5 +310,5 @@ def _byte_tables(device: torch.device) -> tuple[Tensor, Tensor]:
     if tables is None:
         bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
         order = torch.argsort(1 - bits, dim=1, stable=True)  # the set bits first, in ascending order
-        tables = _BYTE_TABLES[device] = (bits.sum(1).to(device), order.to(device))
+        tables = _BYTE_TABLES[device] = (bits.sum(1).to(device, torch.int32), order.to(device, torch.int32))
     return tables

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import BlockPeaks, MagnitudeBlocks, above
-from lightning_gradcomp.core.compressors.indices import is_ascending
+from lightning_gradcomp.core.compressors.indices import is_ascending, narrowed
 
 __all__ = [
     "PieceBlocks",
@@ -73,12 +73,13 @@ class Segments:
         part; others are sorted out by part with a mask each."""
         routes: list[tuple[slice | Tensor, Tensor, Tensor]] = []
         if ascending or is_ascending(indices):
-            edges = [0, *torch.searchsorted(indices, self._bounds).tolist(), indices.numel()]
+            bounds = self._bounds.to(indices.dtype)  # of the indices' dtype: else searchsorted widens them all
+            edges = [0, *torch.searchsorted(indices, bounds).tolist(), indices.numel()]
             for part, start, lo, hi in zip(self.parts, self.starts, edges[:-1], edges[1:], strict=True):
                 if hi > lo:  # the first part's indices are its own: a view, no copy
                     routes.append((slice(lo, hi), indices[lo:hi] - start if start else indices[lo:hi], part))
             return routes
-        which = torch.searchsorted(self._bounds, indices, right=True)
+        which = torch.searchsorted(self._bounds.to(indices.dtype), indices, right=True)
         for i, (part, start) in enumerate(zip(self.parts, self.starts, strict=True)):
             positions = torch.nonzero(which == i).reshape(-1)
             if positions.numel():
@@ -190,7 +191,11 @@ def above_in(x: Tensor | Segments, thr: float, fraction: float, inclusive: bool 
     part by part): the same indices, in the same order, as on the concatenated tensor."""
     if not isinstance(x, Segments):
         return above(x, thr, fraction, inclusive)
-    found = [above(part, thr, fraction, inclusive).add_(start) for part, start in zip(x.parts, x.starts, strict=True)]
+    numel = x.numel()  # the pieces' indices widened where the whole tensor's would not fit in theirs
+    found = [
+        narrowed(above(part, thr, fraction, inclusive), numel).add_(start)
+        for part, start in zip(x.parts, x.starts, strict=True)
+    ]
     return torch.cat(found)
 
 

@@ -11,7 +11,13 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import Compressor, Entries, Payload, all_finite, subtract_by_adding
-from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices, encoded_nbytes, is_ascending
+from lightning_gradcomp.core.compressors.indices import (
+    decode_indices,
+    encode_indices,
+    encoded_nbytes,
+    is_ascending,
+    narrowed,
+)
 from lightning_gradcomp.core.compressors.segments import Segments
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 
@@ -94,7 +100,7 @@ class SparsePayload(Payload):
     def to_bytes(self) -> Tensor:
         if self.slots is not None and self.k > self.slots:
             raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
-        indices, values = self.indices.reshape(-1).long(), self.values.reshape(-1)
+        indices, values = narrowed(self.indices.reshape(-1), self.numel), self.values.reshape(-1)
         # Top-k sends them in order already; off the CPU, a sort of sorted indices costs less than waiting for the check
         if indices.device.type != "cpu" or not is_ascending(indices):
             indices, order = torch.sort(indices)
@@ -180,7 +186,8 @@ class SparseEntries:
         vouches = self.vouches_finite
         whole = (self.values if self.finite_of is None else self.finite_of) if vouches else None
         if is_ascending(self.indices):  # each slice's entries are one run: cut it by binary search
-            edges = torch.searchsorted(self.indices, torch.tensor(starts, device=self.indices.device)).tolist()
+            cuts = torch.tensor(starts, dtype=self.indices.dtype, device=self.indices.device)
+            edges = torch.searchsorted(self.indices, cuts).tolist()
             return [
                 SparseEntries(
                     self.indices[lo:hi] - start if start else self.indices[lo:hi], self.values[lo:hi], n, vouches, whole
@@ -264,7 +271,7 @@ class FixedKSparsifier(Compressor):
                 total.index_put_((p.indices,), mean)
             return total
         landed = torch.cat([p.indices for p in payloads])
-        return total.index_copy_(0, landed, total.index_select(0, landed).div_(world))
+        return total.index_put_((landed,), total.index_select(0, landed).div_(world))  # int32 indices too
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         return sparse_nbytes(shape.numel(), k_for(shape.numel(), self.density), itemsize(dtype))
