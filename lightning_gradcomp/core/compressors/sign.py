@@ -128,9 +128,20 @@ def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, numel: int, first: in
     one dense pass would). The mean of several payloads is one compiled pass
     (:meth:`ScaledSignCompressor.average_all`)."""
     span = max(1, chunk_for(out.device, STREAM_CHUNK) // SIGN_ROW) * SIGN_ROW
+    whole, _ = sign_row_split(numel)
+    spread = None  # one chunk's bytes spread to signs, kept across the chunks: no allocation per chunk
     for start in range(0, out.numel(), span):
         target = out[start : start + span]
-        target.addcmul_(signs_at(packed, numel, first + start, target.numel(), out.dtype), scale)
+        at, count = first + start, target.numel()
+        if at % SIGN_ROW or count % SIGN_ROW or at + count > whole:  # a row cut, or the partial last row
+            target.addcmul_(signs_at(packed, numel, at, count, out.dtype), scale)
+            continue
+        if spread is None:
+            spread = torch.empty(span // 8, 8, dtype=out.dtype, device=out.device)
+        rows = spread[: count // 8]
+        torch.index_select(_sign_table(out.dtype, out.device), 0, packed[at // 8 : (at + count) // 8].int(), out=rows)
+        # each row's (stripe, 8) signs read as (8, stripe): the element order, without a reordered copy
+        target.view(-1, 8, SIGN_STRIPE).addcmul_(rows.view(-1, SIGN_STRIPE, 8).transpose(1, 2), scale)
     return out
 
 
