@@ -81,6 +81,21 @@ def test_indices_of_a_unit_past_int32_round_trip() -> None:
     assert torch.equal(decode_indices(encode_indices(indices, n), n, 4), indices)
 
 
+@pytest.mark.parametrize(("n", "k"), [(1000, 300), (25_000, 250), (10_000, 9_000)])  # Elias-Fano, and bitmaps
+def test_positions_travel_in_int32_words_and_int64_ones_alike(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Positions of a tensor of at most 2^31 elements are int32 (decoded so, encoded in 32-bit words); the bytes are
+    those of int64 positions in 64-bit words, and the int64 path (past 2^31, forced here) reads them back the same."""
+    chosen = torch.randperm(n, generator=torch.Generator().manual_seed(n))[:k].sort().values
+    encoded = encode_indices(chosen.int(), n)
+    assert torch.equal(encode_indices(chosen, n), encoded)
+    decoded = decode_indices(encoded, n, k)
+    assert decoded.dtype == torch.int32 and torch.equal(decoded, chosen.int())
+    monkeypatch.setattr(indices_module, "position_dtype", lambda _: torch.int64)
+    assert torch.equal(encode_indices(chosen, n), encoded)
+    wide = decode_indices(encoded, n, k)
+    assert wide.dtype == torch.int64 and torch.equal(wide, chosen)
+
+
 def test_indices_that_are_not_ascending_or_out_of_range_are_refused() -> None:
     for bad in ([5, 3], [3, 3], [2, 10]):
         with pytest.raises(ValueError, match="indices must be distinct, ascending and below 10"):
