@@ -97,7 +97,11 @@ def canonical(indices: Tensor, values: Tensor) -> SparseSet:
 
 def _index_order(indices: Tensor) -> Tensor:
     """The stable ascending order of ``indices`` (sorted as int32 when they fit: about three times faster)."""
-    small = indices.numel() == 0 or (int(indices.min()) >= 0 and int(indices.max()) < 2**31)
+    small = (
+        indices.dtype == torch.int32
+        or indices.numel() == 0
+        or (int(indices.min()) >= 0 and int(indices.max()) < 2**31)  # read back only for int64 indices
+    )
     return torch.sort(indices.int() if small else indices, stable=True).indices
 
 
@@ -161,7 +165,10 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
 
 def _joined(a: Tensor, b: Tensor) -> Tensor:
     """Two ascending index sets end to end, as int32 when they fit (sorted about three times faster than int64, in
-    half the memory; every position then fits too), else as int64."""
+    half the memory; every position then fits too), else as int64. Sets already in int32 (as payloads and merges
+    hold them where they fit) are joined as they are; others are checked by their ends."""
+    if a.dtype == b.dtype == torch.int32:
+        return torch.cat([a, b])
     ends = [t[i] for t in (a, b) if t.numel() for i in (0, -1)]
     read = torch.stack(ends).tolist() if ends else [0]  # the ends read back at once: one wait on a device
     if min(read) < 0 or max(read) >= 2**31:

@@ -44,7 +44,7 @@ def random_positions(draws: Draws, high: int, count: int, device: torch.device) 
     generator's as :func:`random_integers`."""
     if isinstance(draws, CounterStream):
         return draws.positions(high, count).to(device)
-    return torch.randint(high, (count,), generator=draws, device=device)
+    return random_integers(draws, high, count, device)
 
 
 def random_subset(draws: Draws, d: int, k: int, device: torch.device) -> Tensor:

@@ -22,7 +22,6 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import streams
 from lightning_gradcomp.core.compressors.draws import Draws, random_positions
-from lightning_gradcomp.core.compressors.indices import narrowed
 from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels, normal_quantile
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
@@ -122,7 +121,7 @@ class GaussianKCompressor(TopKCompressor):
     def compress(self, x: Tensor | Segments, generator: Draws = None, scale: Tensor | None = None) -> SparsePayload:
         """The selected entries in ``k`` fixed slots (the count varies, the wire size does not)."""
         flat = x.reshape(-1)
-        indices = narrowed(self.select(flat, generator), flat.numel())
+        indices = self.select(flat, generator)
         return SparsePayload(indices, take(flat, indices), x.shape, slots=k_for(flat.numel(), self.density))
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SparsePayload:

@@ -129,12 +129,10 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
     else:
         low = low_bits(n, slots)
         low_size = _bytes(slots * low)
-        ones = _set_positions(buffer[low_size:], k)
-        if ones.dtype != position_dtype(n):
-            ones = ones.to(position_dtype(n))
+        ones = narrowed(_set_positions(buffer[low_size:], k), n)
         indices = ones.sub_(torch.arange(k, dtype=ones.dtype, device=device)).bitwise_left_shift_(low)
         if low:
-            indices |= unpack_bits(buffer[:low_size], k, low).to(indices.dtype)
+            indices |= unpack_bits(buffer[:low_size], k, low).to(indices.dtype)  # else ORed through an int64 copy
     if check and k and int(indices[-1]) >= n:
         raise ValueError(f"an index {int(indices[-1])} is out of range for {n} elements")
     return indices

@@ -81,11 +81,17 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
     return (2 * bits - 1).to(dtype=dtype, device=device)
 
 
+def _spread_rows(packed: Tensor, stripe: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """Eagerly, the signs of whole planar rows as a ``(rows, 8, stripe)`` view in element order: each byte's eight
+    signs from a table (into ``out``, ``(bytes, 8)``, when given), each row's ``(stripe, 8)`` read as
+    ``(8, stripe)``."""
+    spread = torch.index_select(_sign_table(dtype, packed.device), 0, packed.to(torch.int32), out=out)
+    return spread.view(-1, stripe, 8).transpose(1, 2)
+
+
 def _signs_of_rows(packed: Tensor, stripe: int, dtype: torch.dtype) -> Tensor:
-    """Eagerly, the signs of whole planar rows in element order: each byte's eight signs from a table, then each
-    row's ``(stripe, 8)`` turned to ``(8, stripe)``."""
-    spread = _sign_table(dtype, packed.device).index_select(0, packed.to(torch.int32))
-    return spread.view(-1, stripe, 8).transpose(1, 2).reshape(-1)
+    """Eagerly, the signs of whole planar rows in element order (:func:`_spread_rows`, copied flat)."""
+    return _spread_rows(packed, stripe, dtype).reshape(-1)
 
 
 def signs_at(packed: Tensor, numel: int, first: int, count: int, dtype: torch.dtype) -> Tensor:
@@ -138,10 +144,8 @@ def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, numel: int, first: in
             continue
         if spread is None:
             spread = torch.empty(span // 8, 8, dtype=out.dtype, device=out.device)
-        rows = spread[: count // 8]
-        torch.index_select(_sign_table(out.dtype, out.device), 0, packed[at // 8 : (at + count) // 8].int(), out=rows)
-        # each row's (stripe, 8) signs read as (8, stripe): the element order, without a reordered copy
-        target.view(-1, 8, SIGN_STRIPE).addcmul_(rows.view(-1, SIGN_STRIPE, 8).transpose(1, 2), scale)
+        signs = _spread_rows(packed[at // 8 : (at + count) // 8], SIGN_STRIPE, out.dtype, spread[: count // 8])
+        target.view(-1, 8, SIGN_STRIPE).addcmul_(signs, scale)  # read in element order: no reordered copy
     return out
 
 

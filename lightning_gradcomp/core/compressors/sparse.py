@@ -55,7 +55,9 @@ class SparsePayload(Payload):
     alone. With ``slots`` (a compressor whose count varies up to a known bound, Gaussian_k), the wire
     form has a fixed size instead: the indices in the format of ``slots`` indices, then ``slots``
     values, zero-padded, so that an allgather needs no exchange of sizes (one collective instead of
-    two, as gTop-k's fixed sets).
+    two, as gTop-k's fixed sets). The indices are held as
+    :func:`~lightning_gradcomp.core.compressors.indices.position_dtype` of ``d`` (int32 up to ``2^31`` elements),
+    whatever dtype they are given in.
     """
 
     indices: Tensor
@@ -66,6 +68,9 @@ class SparsePayload(Payload):
     #: finite whenever the tensor had such an element, so their finiteness is the tensor's (error feedback need not
     #: read the tensor again to learn it)
     largest: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "indices", narrowed(self.indices, self.numel))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -100,7 +105,7 @@ class SparsePayload(Payload):
     def to_bytes(self) -> Tensor:
         if self.slots is not None and self.k > self.slots:
             raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
-        indices, values = narrowed(self.indices.reshape(-1), self.numel), self.values.reshape(-1)
+        indices, values = self.indices.reshape(-1), self.values.reshape(-1)
         # Top-k sends them in order already; off the CPU, a sort of sorted indices costs less than waiting for the check
         if indices.device.type != "cpu" or not is_ascending(indices):
             indices, order = torch.sort(indices)

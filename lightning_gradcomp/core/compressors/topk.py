@@ -10,7 +10,6 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import all_finite
 from lightning_gradcomp.core.compressors.draws import Draws, random_positions
-from lightning_gradcomp.core.compressors.indices import narrowed
 from lightning_gradcomp.core.compressors.ladder import top_k_by_levels
 from lightning_gradcomp.core.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
@@ -194,5 +193,5 @@ class TopKCompressor(FixedKSparsifier):
         """The ``k`` entries; ``x`` may be :class:`~lightning_gradcomp.core.compressors.segments.Segments` (a unit read
         in DDP's bucket), which select exactly the entries its concatenation would."""
         flat = x.reshape(-1)
-        indices = narrowed(self.select(flat, generator), flat.numel())  # int32 while they fit: half the bytes
+        indices = self.select(flat, generator)
         return SparsePayload(indices, take(flat, indices), x.shape, largest=self.vouches_finite)
