@@ -7,6 +7,7 @@ import torch
 from ranks import EveryRank, run_cases
 
 from lightning_gradcomp.core.comm import AllgatherAggregator, AllreduceAggregator, Collectives, Contribution
+from lightning_gradcomp.core.comm.collectives import BROADCAST_GATHER_BYTES
 from lightning_gradcomp.core.compressors import IdentityCompressor, TopKCompressor
 from lightning_gradcomp.core.compressors.indices import encoded_nbytes
 
@@ -50,6 +51,7 @@ def every_case(rank: int, world_size: int) -> dict:
         "empty": _allgather_all_empty,
         "fixed": _topk_and_dense,
         "parts": _bytes_in_parts,
+        "broadcast": _bytes_by_broadcasts,
     }
     return run_cases(rank, world_size, cases)
 
@@ -160,3 +162,58 @@ def test_bytes_gathered_from_parts_arrive_whole_on_every_rank(world_size: int, e
             for q, row in enumerate(rows):
                 assert torch.equal(row, _rank_bytes(q, numel(q))), (key, q)
         assert r["sent_intact"]
+
+
+def _bytes_by_broadcasts(rank: int, world_size: int) -> dict:
+    """Rows of at least BROADCAST_GATHER_BYTES: gathered on gloo by a broadcast per rank, into kept buffers whose
+    sizes are recorded: one part of a size every rank has (no row kept for this rank's own), two parts that lie end
+    to end in one tensor (likewise), then parts of separate tensors padded to the longest (every row kept), then a
+    plain tensor gather."""
+    collectives = Collectives()
+    asked: list[int] = []
+    kept: dict[int, torch.Tensor] = {}
+
+    def rows(numel: int) -> torch.Tensor:
+        asked.append(numel)
+        return kept.setdefault(numel, torch.full((numel,), 255, dtype=torch.uint8))
+
+    same_numel = BROADCAST_GATHER_BYTES + 5
+    same = _rank_bytes(rank, same_numel)
+    before = collectives.counter.copy()
+    gathered_same = collectives.all_gather_bytes(same, sizes=[same_numel] * world_size, rows=rows)
+    same_counts = collectives.counter.since(before)
+    span = _rank_bytes(rank, same_numel + 3)
+    gathered_span = collectives.all_gather_bytes([span[:4], span[4:]], sizes=[same_numel + 3] * world_size, rows=rows)
+    whole = _rank_bytes(rank, BROADCAST_GATHER_BYTES + 10 * rank + 3)
+    parts = [whole[:2].clone(), whole[2:].clone()]
+    sizes = [BROADCAST_GATHER_BYTES + 10 * r + 3 for r in range(world_size)]
+    gathered_parts = collectives.all_gather_bytes(parts, sizes=sizes, rows=rows)
+    ints = torch.arange(BROADCAST_GATHER_BYTES, dtype=torch.int32) * (rank + 1)
+    return {
+        "same": gathered_same,
+        "same_is_own": gathered_same[rank].data_ptr() == same.data_ptr(),
+        "same_counts": (same_counts.calls, same_counts.bytes_sent, same_counts.bytes_received),
+        "span": gathered_span,
+        "span_is_own": gathered_span[rank].data_ptr() == span.data_ptr(),
+        "parts": gathered_parts,
+        "asked": asked,
+        "ints": collectives.all_gather(ints),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rows_gathered_by_broadcasts_arrive_whole_on_every_rank(world_size: int, every_rank: EveryRank) -> None:
+    same_numel = BROADCAST_GATHER_BYTES + 5
+    longest = BROADCAST_GATHER_BYTES + 10 * (world_size - 1) + 3
+    for rank, r in enumerate(every_rank(world_size, "broadcast")):
+        for q in range(world_size):
+            assert torch.equal(r["same"][q], _rank_bytes(q, same_numel)), (rank, q)
+            assert torch.equal(r["span"][q], _rank_bytes(q, same_numel + 3)), (rank, q)
+            assert torch.equal(r["parts"][q], _rank_bytes(q, BROADCAST_GATHER_BYTES + 10 * q + 3)), (rank, q)
+            assert torch.equal(r["ints"][q], torch.arange(BROADCAST_GATHER_BYTES, dtype=torch.int32) * (q + 1))
+        assert r["same_is_own"] and r["span_is_own"]  # this rank's row is what it sent, not a copy
+        # kept buffers: the other ranks' rows for what is sent as it lies, every row for the padded parts
+        others = world_size - 1
+        assert r["asked"] == [others * same_numel, others * (same_numel + 3), world_size * longest]
+        # counted as one gather, with the bytes an allgather hands over
+        assert r["same_counts"] == (1, same_numel, world_size * same_numel)

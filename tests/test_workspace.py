@@ -16,7 +16,7 @@ from lightning_gradcomp.core.compressors import (
     TernGradCompressor,
     WirePrecision,
 )
-from lightning_gradcomp.core.workspace import Workspace
+from lightning_gradcomp.core.workspace import OWN_PAYLOAD, Workspace
 from lightning_gradcomp.ddp.hook import gradcomp_comm_hook
 
 
@@ -39,6 +39,28 @@ def test_a_buffer_is_kept_by_owner_and_role_and_replaced_only_when_its_form_chan
     assert space.buffer(0, "mean", 25, torch.float16, torch.device("cpu")) is grown
     shrunk = space.buffer(0, "mean", 4, torch.float16, torch.device("cpu"))
     assert shrunk is not grown and shrunk.numel() == 4 and space.nbytes == 4 * 2 + 10 * 4 + 10 * 2
+
+
+def test_payloads_laid_out_together_lie_end_to_end_in_one_buffer_counted_once() -> None:
+    """Catches: laid-out buffers that are not adjacent (they would travel apart, through a copy), a layout remade
+    every step (an allocation per step), and a kept buffer counted twice."""
+    cpu = torch.device("cpu")
+    space = Workspace()
+    space.lay_out([2, 5, 7], OWN_PAYLOAD, [8, 12, 5], cpu)
+    views = [space.buffer(owner, OWN_PAYLOAD, n, torch.uint8, cpu) for owner, n in ((2, 8), (5, 12), (7, 5))]
+    assert [v.data_ptr() - views[0].data_ptr() for v in views] == [0, 8, 20]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1 and space.nbytes == 25
+    space.lay_out([2, 5, 7], OWN_PAYLOAD, [8, 12, 5], cpu)  # the same layout again: the same buffers
+    assert all(space.buffer(o, OWN_PAYLOAD, n, torch.uint8, cpu) is v
+               for (o, n), v in zip(((2, 8), (5, 12), (7, 5)), views, strict=True))  # fmt: skip
+    # a user asking for another size gets a buffer of its own, which the same layout does not take back
+    own = space.buffer(5, OWN_PAYLOAD, 13, torch.uint8, cpu)
+    space.lay_out([2, 5, 7], OWN_PAYLOAD, [8, 12, 5], cpu)
+    assert space.buffer(5, OWN_PAYLOAD, 13, torch.uint8, cpu) is own and space.nbytes == 25 + 13
+    # nothing laid out: one owner, an unknown size, an offset that a float32 header could not be viewed at
+    for owners, numels in (([1], [8]), ([3, 4], [8, None]), ([3, 4], [6, 8])):
+        space.lay_out(owners, OWN_PAYLOAD, numels, cpu)
+        assert not any((owner, OWN_PAYLOAD) in space._buffers for owner in owners)
 
 
 @pytest.mark.parametrize("precision", [None, "fp16", "bf16"])
@@ -131,6 +153,7 @@ def _workspace_is_allocated_once(rank: int, world: int, method: str) -> dict:
         # lie there and gathered into a kept buffer too (the other ranks' codes stay packed in it)
         ("ddp_terngrad", {"own payload", "gathered"}),
         ("ddp_diana", {"own payload", "gathered"}),
+        ("ddp_efsign", {"own payload", "gathered"}),
     ],
 )
 def test_compressed_steps_work_in_the_same_kept_buffers_every_step(method: str, roles: set) -> None:
@@ -155,6 +178,16 @@ def test_the_average_is_written_over_the_compressed_tensor_without_a_buffer_of_i
         assert not roles & {"mean", "unit"}, roles
 
 
+def _train(ddp: nn.Module, optimizer: torch.optim.Optimizer, steps: int, rank: int, features: int) -> None:
+    """``steps`` steps on batches of 16 inputs of ``features`` that differ by step and rank."""
+    for step in range(steps):
+        x = torch.randn(16, features, generator=torch.Generator().manual_seed(10 * step + rank))
+        y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(10 * step + rank))
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+
+
 def _segments_against_a_flat_copy(rank: int, world: int, segments: bool) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 100), nn.ReLU(), nn.Linear(100, 10))
@@ -164,12 +197,7 @@ def _segments_against_a_flat_copy(rank: int, world: int, segments: bool) -> dict
     hook.compressor.inner.takes_segments = segments
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(5):
-        x = torch.randn(16, 300, generator=torch.Generator().manual_seed(10 * step + rank))
-        y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(10 * step + rank))
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
+    _train(ddp, optimizer, 5, rank, 300)
     return {
         "weights": [p.detach().clone() for p in model.parameters()],
         "memory": {k: v.clone() for k, v in hook.memory.state_dict().items()},
@@ -190,3 +218,46 @@ def test_a_unit_read_in_the_buckets_trains_bit_for_bit_as_its_flat_copy(world_si
         )
         assert "unit" in b["roles"] and not a["roles"] & {"unit", "mean"}
     assert all(torch.equal(p, q) for p, q in zip(pieces[0]["weights"], pieces[-1]["weights"], strict=True))
+
+
+def _gathered_by_broadcasts(rank: int, world: int, method: str, broadcasts: bool) -> dict:
+    """Three compressed steps of a layer whose payload row is past BROADCAST_GATHER_BYTES (its weight and bias, two
+    units of one bucket: the output layer, averaged densely, fills DDP's first bucket), gathered by broadcasts or
+    (the threshold out of reach) by gloo's allgather."""
+    from lightning_gradcomp.core.comm import collectives
+
+    if not broadcasts:
+        collectives.BROADCAST_GATHER_BYTES = 2**62
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(600, 1024), nn.ReLU(), nn.Linear(1024, 600))
+    ddp = DistributedDataParallel(model)
+    hook = GradCompStrategy(**{**NAMED_STRATEGIES[method][1], "warmup_steps": 1, "adaptive": "none"}).build_hook(model)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(ddp, optimizer, 4, rank, 600)
+    buffers = hook.workspace._buffers
+    own = {index: t for (index, role), t in buffers.items() if role == OWN_PAYLOAD and t.numel()}
+    first = min(own)
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "own_sizes": [own[i].numel() for i in sorted(own)],
+        "own_offsets": [own[i].data_ptr() - own[first].data_ptr() for i in sorted(own)],
+        "gathered": sum(t.numel() for (_, role), t in buffers.items() if role == "gathered"),
+        "compressed": sum(s.compressed for s in hook.history),
+    }
+
+
+@pytest.mark.parametrize("method", ["ddp_terngrad", "ddp_efsign", "ddp_diana"])
+def test_payloads_sent_as_one_span_by_broadcasts_train_bit_for_bit_as_gloos_allgather(method: str) -> None:
+    """Catches: a broadcast gather that mixes up the ranks' rows, or a rank's own laid-out payload overwritten
+    before it reaches the mean; and a gather that still keeps a row for this rank's own payload."""
+    spans = run_ranks(_gathered_by_broadcasts, 2, method, True)
+    gathered = run_ranks(_gathered_by_broadcasts, 2, method, False)
+    for a, b in zip(spans, gathered, strict=True):
+        assert a["compressed"] == b["compressed"] == 3
+        assert all(torch.equal(p, q) for p, q in zip(a["weights"], b["weights"], strict=True))
+        # the bias's payload, then the weight's, end to end; gathered: the other rank's row only, against both rows
+        sizes = a["own_sizes"]
+        assert len(sizes) == 2 and a["own_offsets"] == [0, sizes[0]]
+        assert a["gathered"] == sum(sizes) and b["gathered"] == 2 * sum(sizes)
+    assert all(torch.equal(p, q) for p, q in zip(spans[0]["weights"], spans[1]["weights"], strict=True))

@@ -12,16 +12,23 @@ device) that returns the same tensor every step. A buffer's contents are whateve
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
 from torch import Tensor
 
-__all__ = ["Scratch", "Workspace"]
+__all__ = ["OWN_PAYLOAD", "Scratch", "Workspace"]
 
 #: ``scratch(role, numel, dtype, device)``: a flat tensor kept for this unit and role (contents undefined).
 Scratch = Callable[[str, int, torch.dtype, torch.device], Tensor]
+
+#: The role of the buffer a compressor writes this rank's payload into, as it travels (its wire bytes).
+OWN_PAYLOAD = "own payload"
+
+#: Payloads laid end to end start on multiples of this many bytes, so that each one's float32 header can be viewed
+#: where it lies (:meth:`Workspace.lay_out`).
+PAYLOAD_ALIGNMENT = 4
 
 
 class Workspace:
@@ -29,6 +36,8 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._joined: dict[tuple[int, str], Tensor] = {}  # the tensors that laid-out buffers are views of
+        self._layouts: dict[tuple[int, str], tuple] = {}  # each one's owners, sizes and device
 
     def buffer(self, owner: int, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The kept flat tensor of ``owner`` (a unit's index) for ``role``."""
@@ -37,11 +46,31 @@ class Workspace:
             kept = self._buffers[(owner, role)] = torch.empty(numel, dtype=dtype, device=device)
         return kept
 
+    def lay_out(self, owners: Sequence[int], role: str, numels: Sequence[int | None], device: torch.device) -> None:
+        """Make the uint8 ``role`` buffers of ``owners`` (of ``numels`` bytes) lie end to end, in that order, in one
+        kept tensor: payloads gathered together then travel as one span from where they were written, with no copy
+        into a row of their own (:meth:`~lightning_gradcomp.core.comm.collectives.Collectives.all_gather_bytes_start`).
+
+        Nothing changes where fewer than two owners would share it, a size is unknown (``None``) or an offset would
+        not be a multiple of :data:`PAYLOAD_ALIGNMENT`. A layout is made once: a user that asks for another size
+        gets a buffer of its own, as before, and keeps it."""
+        if len(owners) < 2 or any(n is None for n in numels) or any(n % PAYLOAD_ALIGNMENT for n in numels[:-1]):
+            return
+        key, layout = (owners[0], role), (tuple(owners), tuple(numels), torch.device(device))
+        if self._layouts.get(key) == layout:
+            return
+        self._layouts[key] = layout
+        joined = self._joined[key] = torch.empty(sum(numels), dtype=torch.uint8, device=device)
+        for owner, view in zip(owners, joined.split(list(numels)), strict=True):
+            self._buffers[(owner, role)] = view
+
     def scratch(self, owner: int) -> Scratch:
         """``owner``'s buffers as a :data:`Scratch`, for a compressor or an aggregator."""
         return partial(self.buffer, owner)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every kept buffer."""
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        """Bytes held by every kept buffer (those laid out together counted once)."""
+        kept = [*self._buffers.values(), *self._joined.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+        return sum(storages.values())

@@ -82,7 +82,7 @@ from lightning_gradcomp.core.stats import Capture, LayerStats, StepStats
 from lightning_gradcomp.core.units import DEFAULT_UNIT_CAP_MB, GRANULARITIES, Unit, UnitAssembler, plan_units
 from lightning_gradcomp.core.validation import check_choice
 from lightning_gradcomp.core.warm_start import WarmStarts
-from lightning_gradcomp.core.workspace import Workspace
+from lightning_gradcomp.core.workspace import OWN_PAYLOAD, Workspace
 from lightning_gradcomp.ddp.arrivals import GradientArrivals
 
 __all__ = ["GRANULARITIES", "GradCompHook", "gradcomp_comm_hook"]
@@ -347,6 +347,10 @@ class GradCompHook:
                     if not out:  # a parameter this rank sent no gradient for sends nothing of its memory
                         self.memory.compensate_(name, part)
         scales = self._shared_scales([unit for unit, _ in mine], tensors)
+        if self.compressor.takes_scratch:  # this rank's payloads end to end in a kept buffer: sent as one span
+            compressed = [(unit.index, x) for (unit, _), x in zip(mine, tensors, strict=True) if unit.compressed]
+            sizes = [self.compressor.payload_nbytes(x.shape, x.dtype) for _, x in compressed]
+            self.workspace.lay_out([index for index, _ in compressed], OWN_PAYLOAD, sizes, self._device)
         contributions = []
         for (unit, _), x in zip(mine, tensors, strict=True):
             scratch = self.workspace.scratch(unit.index)  # the unit's kept buffers: no allocation per step

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from itertools import pairwise
 from typing import Generic, TypeVar
 
 import torch
@@ -21,8 +22,25 @@ from lightning_gradcomp.core.comm.counter import CommCounter
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+#: A row of at least this many bytes is gathered on gloo by a broadcast per rank (:meth:`Collectives._broadcast_rows`);
+#: below it, gloo's allgather's temporaries are small and one collective has less latency than ``P`` (two ranks on
+#: loopback: 16 KiB rows took 0.53 ms by broadcasts against 0.35, 64 KiB 0.47 against 0.55; ``benchmarks/gather.py``).
+BROADCAST_GATHER_BYTES = 64 * 1024
+
 T = TypeVar("T")
 U = TypeVar("U")
+
+
+class _Together:
+    """Several launched works waited for as one (a gather made of a broadcast per rank)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
 
 
 class InFlight(Generic[T]):
@@ -32,8 +50,10 @@ class InFlight(Generic[T]):
     ``then`` turns the raw output into the result (trimming padding, for instance).
     """
 
-    def __init__(self, work: dist.Work, output: Tensor, counter: CommCounter, then: Callable[[Tensor], T]) -> None:
-        self._work: dist.Work | None = work
+    def __init__(
+        self, work: dist.Work | _Together, output: Tensor, counter: CommCounter, then: Callable[[Tensor], T]
+    ) -> None:
+        self._work: dist.Work | _Together | None = work
         self._output = output
         self._counter = counter
         self._then = then
@@ -60,6 +80,8 @@ class Collectives:
         self.counter = counter if counter is not None else CommCounter()
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self._ranks = dist.get_process_group_ranks(self.group)  # the global ranks broadcasts name as sources
+        self._gloo = "gloo" in str(dist.get_backend(self.group))
 
     def all_reduce_(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """Reduce ``tensor`` in place across ranks and return it."""
@@ -97,10 +119,28 @@ class Collectives:
         """
         numel = tensor.numel()
         out = torch.empty(self.world_size * numel, dtype=tensor.dtype, device=tensor.device) if rows is None else rows
-        work = _all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
         nbytes = numel * tensor.element_size()
+        if self._gathers_by_broadcast(nbytes, tensor.device):
+            gathered = out.view(self.world_size, numel)
+            if gathered[self.rank].data_ptr() != tensor.data_ptr():
+                gathered[self.rank].copy_(tensor)
+            work: dist.Work | _Together = self._broadcast_rows(list(gathered))
+        else:
+            work = _all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
         self.counter.record(nbytes, out.numel() * out.element_size(), 0.0, dtype_name(tensor))
         return InFlight(work, out, self.counter, lambda gathered: gathered.view(self.world_size, numel))
+
+    def _gathers_by_broadcast(self, row_bytes: int, device: torch.device) -> bool:
+        """Whether a gather of rows of ``row_bytes`` goes by :meth:`_broadcast_rows`: on gloo, for CPU rows of at
+        least :data:`BROADCAST_GATHER_BYTES`."""
+        return self._gloo and device.type == "cpu" and row_bytes >= BROADCAST_GATHER_BYTES
+
+    def _broadcast_rows(self, rows: list[Tensor]) -> _Together:
+        """Gather by one broadcast from each rank ``r`` into ``rows[r]``, in place (this rank's row holds what it
+        sends): gloo's allgather instead writes a flat temporary of the whole output and copies it out (two to three
+        times the output allocated per call, and slower on the CPU from rows of 64 KiB: ``benchmarks/gather.py``)."""
+        sources = zip(rows, self._ranks, strict=True)
+        return _Together([dist.broadcast(row, src=src, group=self.group, async_op=True) for row, src in sources])
 
     def all_gather_bytes(
         self,
@@ -127,7 +167,8 @@ class Collectives:
         """Launch :meth:`all_gather_bytes` (a size exchange, when needed, is waited for first).
 
         ``rows(numel)``, when given, returns the flat uint8 tensor the bytes are gathered into (a kept buffer: no
-        allocation per call); the rows returned are views of it.
+        allocation per call); the rows returned are views of it, except, where gloo gathers one part that needs no
+        padding by broadcasts, this rank's row: the part itself (``rows`` then holds only the other ranks').
         """
         parts = [buffer] if isinstance(buffer, Tensor) else list(buffer)
         if not parts:
@@ -145,6 +186,9 @@ class Collectives:
         longest = max(1, max(sizes))
         known = list(sizes)
         trim = partial(_trimmed, known)
+        span = parts[0] if len(parts) == 1 else _one_span(parts)
+        if span is not None and numel == longest and self._gathers_by_broadcast(longest, device):
+            return self._broadcast_others(span, rows).then(trim)  # sent as it lies, no row kept for it
         total = self.world_size * longest
         out = torch.empty(total, dtype=torch.uint8, device=device) if rows is None else rows(total)
         if len(parts) == 1 and numel == longest:  # sent as it lies
@@ -153,6 +197,18 @@ class Collectives:
         torch.cat(parts, out=own[:numel])
         own[numel:].zero_()
         return self.all_gather_start(own, out).then(trim)
+
+    def _broadcast_others(self, own: Tensor, rows: Callable[[int], Tensor] | None) -> InFlight[list[Tensor]]:
+        """Gather ``own`` (1-D uint8) by broadcasts, the other ranks' rows received into ``world_size - 1`` rows of
+        ``rows(numel)`` (or a fresh tensor): this rank's row is ``own`` itself. ``wait()`` gives every rank's row."""
+        numel = own.numel()
+        total = (self.world_size - 1) * numel
+        others = torch.empty(total, dtype=torch.uint8, device=own.device) if rows is None else rows(total)
+        received = list(others.view(self.world_size - 1, numel))
+        every = [*received[: self.rank], own, *received[self.rank :]]
+        work = self._broadcast_rows(every)
+        self.counter.record(numel, self.world_size * numel, 0.0, dtype_name(own))
+        return InFlight(work, every, self.counter, _same)
 
     def all_to_all_bytes(self, outgoing: Sequence[Tensor], incoming: Sequence[int]) -> list[Tensor]:
         """Send ``outgoing[r]`` (1-D uint8) to rank ``r`` and receive ``incoming[r]`` bytes from each rank ``r``, in one
@@ -171,7 +227,20 @@ class Collectives:
         return [part[:size] for part, size in zip(received.split(receive_sizes), incoming, strict=True)]
 
 
-def _trimmed(sizes: list[int], rows: Tensor) -> list[Tensor]:
+def _one_span(parts: Sequence[Tensor]) -> Tensor | None:
+    """The 1-D tensor the non-empty ``parts`` make where they lie end to end in one storage (laid out so by
+    :meth:`~lightning_gradcomp.core.workspace.Workspace.lay_out`), else ``None``."""
+    whole = [p for p in parts if p.numel()]
+    if not whole or any(p.stride(0) != 1 for p in whole):
+        return None
+    storage = whole[0].untyped_storage().data_ptr()
+    for before, after in pairwise(whole):
+        if after.untyped_storage().data_ptr() != storage or before.data_ptr() + before.numel() != after.data_ptr():
+            return None
+    return whole[0].as_strided((sum(p.numel() for p in whole),), (1,))
+
+
+def _trimmed(sizes: list[int], rows: Tensor | Sequence[Tensor]) -> list[Tensor]:
     """Each rank's row cut to its length."""
     return [row[: sizes[r]] for r, row in enumerate(rows)]
 

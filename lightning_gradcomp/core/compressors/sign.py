@@ -43,9 +43,14 @@ from lightning_gradcomp.core.compressors.kernels import (
     sign_row_split,
     subtract_signs_,
 )
-from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.compressors.wire import ByteReader, own_payload, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice
+from lightning_gradcomp.core.workspace import Scratch
+
+#: Signs decoded at a time by :func:`add_signs_` on the CPU: a quarter of the streamed chunk, so that its spread signs
+#: (1 MiB of float32) stay below the allocator's mid-sized blocks that a process keeps from step to step.
+SPREAD_CHUNK = STREAM_CHUNK // 4
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).view(1, 8, 1)
 
@@ -58,11 +63,12 @@ def _packed_rows(flat: Tensor, stripe: int) -> Tensor:
     return (bits * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8).reshape(-1)
 
 
-def pack_signs(flat: Tensor) -> Tensor:
-    """The planar bytes of ``flat >= 0`` (see the module), eagerly, a chunk of whole rows at a time."""
+def pack_signs(flat: Tensor, out: Tensor | None = None) -> Tensor:
+    """The planar bytes of ``flat >= 0`` (see the module), eagerly, a chunk of whole rows at a time (into ``out``, of
+    ``ceil(d / 8)`` bytes, when given)."""
     numel = flat.numel()
     whole, stripe = sign_row_split(numel)
-    packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device)
+    packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device) if out is None else out
     span = max(1, chunk_for(flat.device, STREAM_CHUNK) // SIGN_ROW) * SIGN_ROW
     for start in range(0, whole, span):
         part = flat[start : min(start + span, whole)]
@@ -133,7 +139,7 @@ def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, numel: int, first: in
     ``packed`` of ``numel`` signs, decoded a chunk at a time (``+-scale`` is exact, so each element is rounded once, as
     one dense pass would). The mean of several payloads is one compiled pass
     (:meth:`ScaledSignCompressor.average_all`)."""
-    span = max(1, chunk_for(out.device, STREAM_CHUNK) // SIGN_ROW) * SIGN_ROW
+    span = max(1, chunk_for(out.device, SPREAD_CHUNK) // SIGN_ROW) * SIGN_ROW
     whole, _ = sign_row_split(numel)
     spread = None  # one chunk's bytes spread to signs, kept across the chunks: no allocation per chunk
     for start in range(0, out.numel(), span):
@@ -158,6 +164,8 @@ class SignPayload(Payload):
     bits: Tensor
     shape: torch.Size
     dtype: torch.dtype
+    #: the whole wire form, when the scale and the bits lie in it (written or received so)
+    wire: Tensor | None = None
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -168,6 +176,8 @@ class SignPayload(Payload):
         return 4 + (self.numel + 7) // 8
 
     def to_bytes(self) -> Tensor:
+        if self.wire is not None:
+            return self.wire
         return to_bytes([self.scale.reshape(1).to(torch.float32), self.bits])
 
     def add_to_(self, out: Tensor) -> Tensor:
@@ -241,6 +251,7 @@ class ScaledSignCompressor(Compressor):
 
     name = "sign"
     unbiased = False
+    takes_scratch = True
 
     def __init__(self, magnitude: Literal["mean", "rms"] = "mean") -> None:
         self.magnitude = check_choice("magnitude", magnitude, ("mean", "rms"))
@@ -249,16 +260,23 @@ class ScaledSignCompressor(Compressor):
     def bias_reason(self) -> str | None:
         return "a scaled sign keeps only the mean magnitude (a contraction, for error feedback)"
 
-    def compress(self, x: Tensor, generator: Draws = None, scale: Tensor | None = None) -> SignPayload:
+    def compress(
+        self, x: Tensor, generator: Draws = None, scale: Tensor | None = None, scratch: Scratch | None = None
+    ) -> SignPayload:
+        """The scale and the packed signs, written as they travel into the unit's kept buffer when there is
+        ``scratch`` (:func:`~lightning_gradcomp.core.compressors.wire.own_payload`): no copy to send them."""
         flat = x.detach().reshape(-1)
+        nbytes = (flat.numel() + 7) // 8
         if compiles_on(flat.device):  # one fused pass for the norm and the bits
             magnitude, bits = encode_signs(flat, self.magnitude == "rms")
-            return SignPayload(magnitude, bits, x.shape, x.dtype)
+            wire, header, region = own_payload(scratch, magnitude.reshape(1), nbytes)
+            return SignPayload(header[0], region.copy_(bits), x.shape, x.dtype, wire)
         if self.magnitude == "rms":
             magnitude = flat.float().norm() / max(1, flat.numel()) ** 0.5
         else:
             magnitude = l1_norm(flat) / max(1, flat.numel())
-        return SignPayload(magnitude, pack_signs(flat), x.shape, x.dtype)
+        wire, header, region = own_payload(scratch, magnitude.reshape(1), nbytes)
+        return SignPayload(header[0], pack_signs(flat, region), x.shape, x.dtype, wire)
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> SignPayload:
         numel = shape.numel()
@@ -266,7 +284,7 @@ class ScaledSignCompressor(Compressor):
             raise ValueError(f"sign payload of {buffer.numel()} bytes, expected {self.payload_nbytes(shape, dtype)}")
         reader = ByteReader(buffer)
         scale = reader.take(1, torch.float32)[0]
-        return SignPayload(scale, reader.take((numel + 7) // 8, torch.uint8), shape, dtype)
+        return SignPayload(scale, reader.take((numel + 7) // 8, torch.uint8), shape, dtype, buffer)
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         return 4 + (shape.numel() + 7) // 8

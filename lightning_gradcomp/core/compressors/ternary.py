@@ -42,7 +42,7 @@ from lightning_gradcomp.core.compressors.planar import (
     planar_nbytes,
     unpack_codes,
 )
-from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.compressors.wire import ByteReader, own_payload, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.randomness import CounterStream
 from lightning_gradcomp.core.workspace import Scratch
@@ -261,18 +261,9 @@ def average_packed_(
 def own_wire(
     scratch: Scratch | None, header: Tensor, packing: CodePacking, numel: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's payload laid out as it travels: the fp32 ``header`` (scales, norms) written in front, and the
-    region its ``numel`` packed codes are drawn into behind it, in the unit's kept buffer when there is
-    ``scratch``. Returns the whole buffer, the header's fp32 view in it and the codes' region."""
-    front = 4 * header.numel()
-    nbytes = front + packing.nbytes(numel)
-    device = header.device
-    if scratch is None:
-        wire = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    else:
-        wire = scratch("own payload", nbytes, torch.uint8, device)
-    kept_header = wire[:front].view(torch.float32).copy_(header.reshape(-1))
-    return wire, kept_header, wire[front:]
+    """This rank's payload laid out as it travels (:func:`~lightning_gradcomp.core.compressors.wire.own_payload`): the
+    fp32 ``header`` in front, the region its ``numel`` packed codes are drawn into behind it."""
+    return own_payload(scratch, header, packing.nbytes(numel))
 
 
 def num_blocks(numel: int, block_size: int) -> int:

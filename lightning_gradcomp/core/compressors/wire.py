@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.core.workspace import OWN_PAYLOAD, Scratch
+
 
 def to_bytes(parts: Sequence[Tensor]) -> Tensor:
     """Concatenate the raw bytes of ``parts`` (each made contiguous and flat) into one uint8 tensor."""
@@ -21,6 +23,19 @@ def to_bytes(parts: Sequence[Tensor]) -> Tensor:
     if len(flats) == 1:
         return flats[0]
     return torch.cat(flats)
+
+
+def own_payload(scratch: Scratch | None, header: Tensor, nbytes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's payload laid out as it travels: the float32 ``header`` (scales, norms) written in front, and a region
+    of ``nbytes`` behind it for the codes to be written into, in the unit's kept buffer when there is ``scratch``.
+    Returns the whole buffer, the header's float32 view in it and the codes' region."""
+    front = 4 * header.numel()
+    if scratch is None:
+        wire = torch.empty(front + nbytes, dtype=torch.uint8, device=header.device)
+    else:
+        wire = scratch(OWN_PAYLOAD, front + nbytes, torch.uint8, header.device)
+    kept_header = wire[:front].view(torch.float32).copy_(header.reshape(-1))
+    return wire, kept_header, wire[front:]
 
 
 class ByteReader:
