@@ -48,8 +48,9 @@ from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice
 from lightning_gradcomp.core.workspace import Scratch
 
-#: Signs decoded at a time by :func:`add_signs_` on the CPU: a quarter of the streamed chunk, so that its spread signs
-#: (1 MiB of float32) stay below the allocator's mid-sized blocks that a process keeps from step to step.
+#: Signs decoded at a time by :func:`add_signs_` on the CPU: a quarter of the streamed chunk, its spread signs 1 MiB of
+#: float32 instead of 4 (an eager EF-sign step on the 25.2M MLP: +116 / +110 MiB of peak RSS over plain DDP's, against
+#: +120 / +110 with the whole chunk; benchmarks/overhead.py --isolate).
 SPREAD_CHUNK = STREAM_CHUNK // 4
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).view(1, 8, 1)
