@@ -30,18 +30,20 @@ def test_unbiased_with_the_variance_of_lemma_3_1(levels: int) -> None:
     d, trials = 100, 20_000
     x = torch.randn(d, generator=torch.Generator().manual_seed(levels), dtype=torch.float64)
     compressor = QSGDCompressor(levels, block_size=None)
-    gen = torch.Generator().manual_seed(100 + levels)
+    # one block of the whole tensor is a block of d: the same codes from the same draws, so the trials are drawn
+    # at once, as `trials` blocks of d holding x each (every block its own norm, its own draws)
+    same = [QSGDCompressor(levels, size).compress(x, torch.Generator().manual_seed(5)).codes for size in (None, d)]
+    assert torch.equal(*same)
+    blocks = QSGDCompressor(levels, block_size=d)
+    payload = blocks.compress(x.repeat(trials), torch.Generator().manual_seed(100 + levels))
+    decoded = blocks.decompress(payload).view(trials, d)
     step = float(x.norm()) / levels
     lower = (x.abs() * (levels / x.norm())).floor()  # l_j, as the compressor computes u_j
     floor = lower * x.sign() * step
-    total, errors = torch.zeros(d, dtype=torch.float64), torch.empty(trials, dtype=torch.float64)
-    for t in range(trials):
-        payload = compressor.compress(x, gen)
-        decoded = compressor.decompress(payload)
-        above = payload.codes.abs().to(torch.float64) - lower
-        assert torch.all((above == 0) | (above == 1))
-        total += decoded - floor  # what is left above the floor level: N/s * sign * Bernoulli(frac)
-        errors[t] = (decoded - x).pow(2).sum()
+    above = payload.codes.view(trials, d).abs().to(torch.float64) - lower
+    assert torch.all((above == 0) | (above == 1))
+    total = (decoded - floor).sum(0)  # what is left above the floor level: N/s * sign * Bernoulli(frac)
+    errors = (decoded - x).pow(2).sum(1)
     assert_unbiased(total, x - floor, torch.full_like(x, step), trials)
     expected = _analytic_variance(x, levels)
     tolerance = Z_LIMIT * float(errors.std()) / math.sqrt(trials)
