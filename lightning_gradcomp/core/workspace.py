@@ -36,8 +36,7 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, str], Tensor] = {}
-        self._joined: dict[tuple[int, str], Tensor] = {}  # the tensors that laid-out buffers are views of
-        self._layouts: dict[tuple[int, str], tuple] = {}  # each one's owners, sizes and device
+        self._layouts: dict[tuple[int, str], tuple] = {}  # each layout's owners, sizes and device, once made
 
     def buffer(self, owner: int, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The kept flat tensor of ``owner`` (a unit's index) for ``role``."""
@@ -60,7 +59,7 @@ class Workspace:
         if self._layouts.get(key) == layout:
             return
         self._layouts[key] = layout
-        joined = self._joined[key] = torch.empty(sum(numels), dtype=torch.uint8, device=device)
+        joined = torch.empty(sum(numels), dtype=torch.uint8, device=device)  # kept alive by its views
         for owner, view in zip(owners, joined.split(list(numels)), strict=True):
             self._buffers[(owner, role)] = view
 
@@ -71,6 +70,5 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         """Bytes held by every kept buffer (those laid out together counted once)."""
-        kept = [*self._buffers.values(), *self._joined.values()]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._buffers.values()}
         return sum(storages.values())

@@ -37,10 +37,9 @@ class _Together:
     def __init__(self, works: list[dist.Work]) -> None:
         self._works = works
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         for work in self._works:
             work.wait()
-        return True
 
 
 class InFlight(Generic[T]):
@@ -186,13 +185,13 @@ class Collectives:
         longest = max(1, max(sizes))
         known = list(sizes)
         trim = partial(_trimmed, known)
-        span = parts[0] if len(parts) == 1 else _one_span(parts)
-        if span is not None and numel == longest and self._gathers_by_broadcast(longest, device):
+        span = (parts[0] if len(parts) == 1 else _one_span(parts)) if numel == longest else None
+        if span is not None and self._gathers_by_broadcast(longest, device):
             return self._broadcast_others(span, rows).then(trim)  # sent as it lies, no row kept for it
         total = self.world_size * longest
         out = torch.empty(total, dtype=torch.uint8, device=device) if rows is None else rows(total)
-        if len(parts) == 1 and numel == longest:  # sent as it lies
-            return self.all_gather_start(parts[0], out).then(trim)
+        if span is not None:  # sent as it lies
+            return self.all_gather_start(span, out).then(trim)
         own = out[self.rank * longest : (self.rank + 1) * longest]
         torch.cat(parts, out=own[:numel])
         own[numel:].zero_()
