@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.core.comm import AllgatherAggregator, Collectives, Contribution
 from lightning_gradcomp.core.comm.gtopk import GTopKAggregator, SparseSet, merge_tracked
-from lightning_gradcomp.core.compressors import IdentityCompressor, TopKCompressor
+from lightning_gradcomp.core.compressors import IdentityCompressor, SparseEntries, TopKCompressor
 from lightning_gradcomp.core.compressors.indices import encoded_nbytes
 from lightning_gradcomp.core.compressors.topk import k_for
 from lightning_gradcomp.core.memory import ErrorFeedback
@@ -127,6 +127,24 @@ def _dropped_on_the_way(collectives: Collectives) -> dict:
     return {"mean": result.mean, "sent": result.sent, "residual": memory.residual("w")}
 
 
+def _survivors_vouching(collectives: Collectives) -> dict:
+    """Rank 1's tensor holds a NaN, which its Top-k set holds too; a threshold's set leaves it out (it vouches for
+    nothing)."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(collectives.rank))
+    if collectives.rank == 1:
+        x[500] = float("nan")
+    topk, threshold = TopKCompressor(DENSITY), Threshold(DENSITY)
+    contributions = [Contribution(topk, topk.compress(x)), Contribution(threshold, threshold.compress(x))]
+    results = GTopKAggregator().aggregate(contributions, collectives)
+    return {
+        "vouches": [r.reached.vouches_finite for r in results],
+        "finite": [r.reached.all_finite() for r in results],
+        "survivors_finite": [bool(r.reached.values.isfinite().all()) for r in results],
+        "mean_finite": [bool(r.mean.isfinite().all()) for r in results],
+        "x": x,
+    }
+
+
 class _NotSparse(TopKCompressor):
     sparse = False
 
@@ -182,6 +200,7 @@ def _worker(rank: int, world_size: int) -> dict:
             result["dropped"] = _dropped_on_the_way(Collectives(group))
         if size == 2:
             result["errors"] = _argument_errors(Collectives(group))
+            result["vouching"] = _survivors_vouching(Collectives(group))
         if size == 3:
             result["ddp"] = _hook_under_ddp(group)
         out[size] = result
@@ -336,6 +355,43 @@ def test_an_entry_dropped_on_the_way_stays_in_the_residual(by_size: dict) -> Non
     assert torch.equal(outcome[0]["residual"], torch.tensor([1.0, 0, 0, 0]))
     assert torch.equal(outcome[2]["sent"], torch.tensor([3.0, 0, 0, 0]))
     assert torch.equal(outcome[1]["residual"], torch.tensor([0, 2.0, 0, 0]))
+
+
+def test_what_survived_the_merges_vouches_for_the_tensor_as_the_payload_did(by_size: dict) -> None:
+    rank0, rank1 = (r["vouching"] for r in by_size[2])
+    assert rank0["vouches"] == rank1["vouches"] == [True, False]  # Top-k's set vouches, a threshold's does not
+    # rank 1's NaN outranked every finite entry and reached the mean; rank 0's survivors are finite, and so was its
+    # tensor, which is what its whole set reports
+    assert rank0["mean_finite"][0] is False and rank1["mean_finite"][0] is False
+    assert rank0["finite"] == [True, True] and rank0["survivors_finite"] == [True, True]
+    assert rank1["finite"][0] is False  # rank 1's whole set holds its NaN
+    # the threshold's survivors are finite although rank 1's tensor is not: why its set does not vouch
+    assert rank1["finite"][1] is True and not rank1["x"].isfinite().all()
+
+
+@pytest.mark.parametrize("vouches", [True, False])
+def test_a_survivor_set_that_vouches_settles_without_reading_the_tensor(
+    monkeypatch: pytest.MonkeyPatch, vouches: bool
+) -> None:
+    import lightning_gradcomp.core.memory as memory_module
+
+    reads: list[int] = []
+    read = memory_module.all_finite
+    monkeypatch.setattr(memory_module, "all_finite", lambda t: reads.append(t.numel()) or read(t))
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    payload = TopKCompressor(DENSITY).compress(x)
+    survivors = SparseEntries(
+        payload.indices[::2],
+        payload.values[::2],
+        x.numel(),
+        vouches_finite=vouches,
+        finite_of=payload.values if vouches else None,
+    )
+    memory = ErrorFeedback()
+    memory.settle_("w", x.clone(), survivors, unit_numel=x.numel())
+    assert torch.equal(memory.residual("w") + survivors.to_dense(), x)
+    assert torch.equal(memory.residual("w")[payload.indices[1::2]], x[payload.indices[1::2]])  # dropped: kept
+    assert reads == ([] if vouches else [x.numel()])  # without vouching, the whole tensor is summed
 
 
 def _unit_bytes(flags: bool = False) -> int:

@@ -155,10 +155,11 @@ def merge_tracked(a: SparseSet, b: SparseSet, k: int) -> tuple[SparseSet, Tensor
     positions = indices.dtype
     del indices, values  # freed before the places are made: a merge's temporaries peak lower
     # each sorted entry's place in the result (-1: dropped); a repeated index's second entry follows its first
+    # (copies by int64 positions, ``kept`` and ``order``: ``index_copy_`` takes about 0.6 of ``index_put_``'s time)
     place = torch.full((order.numel(),), -1, dtype=positions, device=device)
-    place.index_put_((kept,), torch.arange(kept.numel(), dtype=positions, device=device))
+    place.index_copy_(0, kept, torch.arange(kept.numel(), dtype=positions, device=device))
     place.index_copy_(0, repeats, place.index_select(0, shared))
-    moved = torch.empty_like(place).index_put_((order,), place)
+    moved = torch.empty_like(place).index_copy_(0, order, place)
     na = a.indices.numel()
     return merged, moved[:na], moved[na:]
 
@@ -372,8 +373,10 @@ class GTopKAggregator(Aggregator):
     def _global_topk(self, contributions: Sequence[Contribution], collectives: Collectives) -> list[Aggregate]:
         world, rank = collectives.world_size, collectives.rank
         units, local = [], []
+        vouching = []
         for c in contributions:
             payload, wire = _sparse_and_wire(c.payload)
+            vouching.append(payload.largest)
             numel = payload.numel
             k = k_for(numel, _density(c.codec))
             unit = _Unit(numel, k, payload.dtype, wire)
@@ -414,15 +417,21 @@ class GTopKAggregator(Aggregator):
             reached_by = [w >= 0 for w in where]
 
         results = []
-        for c, unit, entries, mine, reached in zip(contributions, units, held, local, reached_by, strict=True):
+        for c, unit, entries, mine, reached, vouches in zip(
+            contributions, units, held, local, reached_by, vouching, strict=True
+        ):
             survived = torch.nonzero(reached).reshape(-1)  # positions once: a bool mask indexes at twice the cost
+            # the survivors' finiteness is told by this rank's whole set: when the payload vouches for the tensor
+            # (the k largest magnitudes), so does that set (a cut to k keeps the largest too), and error feedback
+            # need not sum the tensor again
+            sent = SparseEntries(
+                mine.indices.index_select(0, survived),
+                mine.values.index_select(0, survived),
+                unit.numel,
+                vouches_finite=vouches,
+                finite_of=mine.values if vouches else None,
+            )
             results.append(
-                Aggregate(
-                    partial(_scatter_mean, c, entries, world),
-                    partial(all_finite, entries.values),
-                    partial=SparseEntries(
-                        mine.indices.index_select(0, survived), mine.values.index_select(0, survived), unit.numel
-                    ),
-                )
+                Aggregate(partial(_scatter_mean, c, entries, world), partial(all_finite, entries.values), partial=sent)
             )
         return results

@@ -215,5 +215,5 @@ class GaussianKCompressor(TopKCompressor):
         if indices is None or indices.numel() < LOWER * k:
             return self.exact_select(flat)
         if indices.numel() > k:
-            indices = indices[ascending_top_k(take(flat, indices, ascending=True).abs(), k)]
+            indices = indices.index_select(0, ascending_top_k(take(flat, indices, ascending=True).abs(), k))
         return indices

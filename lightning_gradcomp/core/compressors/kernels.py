@@ -23,8 +23,10 @@ __all__ = [
     "clipped_scale",
     "draw_codes",
     "draw_packed_codes",
+    "draw_packed_codes_into_",
     "drawn_whole",
     "encode_signs",
+    "encode_signs_into_",
     "field_values",
     "mean_of_fields_",
     "mean_of_signs_",
@@ -199,11 +201,55 @@ def draw_packed_codes(
     than a block where blocks are longer) in element order, then packed. Blocks must line up with the rows
     (:func:`aligned_blocks`; the codecs draw other blocks unpacked, :func:`draw_codes`, and pack them eagerly).
     Compiled, it is called on :func:`drawn_whole` elements."""
+    parts = _packed_parts(g, multipliers, block, cap, first, block_size, fractional, bias, per_byte, pad)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@fused
+def draw_packed_codes_into_(
+    out: Tensor,
+    g: Tensor,
+    multipliers: Tensor,
+    block: Tensor,
+    cap: Tensor | None,
+    first: int,
+    block_size: int,
+    fractional: bool,
+    bias: int,
+    per_byte: int,
+    pad: int,
+) -> None:
+    """:func:`draw_packed_codes` written into ``out``, the region of the unit's kept wire buffer that travels: compiled,
+    the kernel stores the bytes there itself (a mutated input), with no tensor of their own per call and no copy."""
+    _store(out, _packed_parts(g, multipliers, block, cap, first, block_size, fractional, bias, per_byte, pad))
+
+
+def _store(out: Tensor, parts: list[Tensor]) -> None:
+    """The consecutive ``parts`` written into ``out`` (of their total size), each into its own slice: no joined copy."""
+    at = 0
+    for part in parts:
+        out[at : at + part.numel()].copy_(part)
+        at += part.numel()
+
+
+def _packed_parts(
+    g: Tensor,
+    multipliers: Tensor,
+    block: Tensor,
+    cap: Tensor | None,
+    first: int,
+    block_size: int,
+    fractional: bool,
+    bias: int,
+    per_byte: int,
+    pad: int,
+) -> list[Tensor]:
+    """:func:`draw_packed_codes`'s bytes as the consecutive pieces drawn: whole rows, then the rest."""
     numel = g.numel()
     single = multipliers.numel() == 1
     if per_byte == 1:
         codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
-        return (codes.to(torch.int32) + bias).to(torch.uint8)[:numel]
+        return [(codes.to(torch.int32) + bias).to(torch.uint8)[:numel]]
     if not (single or aligned_blocks(block_size, per_byte)):
         raise ValueError(f"block_size {block_size} does not line up with rows of {per_byte * STRIPE} codes")
     unit = per_byte * STRIPE if single else max(per_byte * STRIPE, block_size)
@@ -233,7 +279,7 @@ def draw_packed_codes(
         offsets = done + torch.arange(count, dtype=torch.int32, device=g.device)
         codes = _codes_of(values, scaled, hash_at(block, offsets.view(values.shape)), cap, fractional)
         parts.append(pack_fields(codes.reshape(-1)[:rest].to(torch.int32) + bias, per_byte, pad))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return parts
 
 
 #: Signs per stripe of the scaled signs' wire (:mod:`~lightning_gradcomp.core.compressors.sign`): a row of ``8 *
@@ -267,16 +313,34 @@ def encode_signs(flat: Tensor, rms: bool) -> tuple[Tensor, Tensor]:
     """EF-SignSGD's payload of a flat tensor (Karimireddy et al., ICML 2019, Algorithm 1): the magnitude (float32
     ``||x||_1 / d``, or with ``rms`` 1-bit Adam's ``||x||_2 / sqrt(d)``) and the bits ``x >= 0`` in planar rows
     (:func:`sign_rows`; the last, partial row of ``m`` elements in stripes of ``ceil(m / 8)``, its padding 0)."""
+    parts = _sign_parts(flat)
+    bits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
+    return _sign_magnitude(flat, rms), bits
+
+
+@fused
+def encode_signs_into_(out: Tensor, flat: Tensor, rms: bool) -> Tensor:
+    """:func:`encode_signs` with the bits written into ``out`` (the kept wire buffer's region): compiled, stored there
+    by the kernel itself, with no tensor of their own per call and no copy. Returns the magnitude."""
+    _store(out, _sign_parts(flat))
+    return _sign_magnitude(flat, rms)
+
+
+def _sign_magnitude(flat: Tensor, rms: bool) -> Tensor:
+    """:func:`encode_signs`'s magnitude: ``||x||_1 / d``, or ``||x||_2 / sqrt(d)`` with ``rms``, in float32."""
     d = max(1, flat.numel())
     work = flat.to(torch.float32)
-    magnitude = (torch.linalg.vector_norm(work) if rms else work.abs().sum()) / (d**0.5 if rms else d)
+    return (torch.linalg.vector_norm(work) if rms else work.abs().sum()) / (d**0.5 if rms else d)
+
+
+def _sign_parts(flat: Tensor) -> list[Tensor]:
+    """:func:`encode_signs`'s bits as the consecutive pieces packed: whole rows, then the last, partial row."""
     whole, stripe = sign_row_split(flat.numel())
     parts = [sign_rows(flat[:whole], SIGN_STRIPE)] if whole else []
     if stripe:
         padded = torch.nn.functional.pad(flat[whole:], (0, 8 * stripe - (flat.numel() - whole)), value=-1.0)
         parts.append(sign_rows(padded, stripe))
-    bits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
-    return magnitude, bits
+    return parts
 
 
 @fused

@@ -133,8 +133,8 @@ class TopKCompressor(FixedKSparsifier):
         """Whether this compressor's selections always hold a tensor's non-finite elements (when it has any): every
         path ranks a NaN or an infinity above all finite magnitudes (``torch.topk``, the candidates of a sampled
         threshold, the ladder of levels, which falls back to ``torch.topk`` on a non-finite tensor). A subclass that
-        selects otherwise says no."""
-        return type(self).select_k is TopKCompressor.select_k
+        selects otherwise (its own :meth:`select` or :meth:`select_k`) says no."""
+        return type(self).select is TopKCompressor.select and type(self).select_k is TopKCompressor.select_k
 
     def sample_size(self, numel: int) -> int:
         """Entries sampled from a tensor of ``numel`` entries (``>= numel`` means: ``torch.topk`` instead)."""
@@ -187,7 +187,7 @@ class TopKCompressor(FixedKSparsifier):
         candidates = at_least_in(flat, thr, k / flat.numel())
         if candidates.numel() < k:
             return self.exact_select(flat)
-        return candidates[ascending_top_k(take(flat, candidates, ascending=True).abs(), k)]
+        return candidates.index_select(0, ascending_top_k(take(flat, candidates, ascending=True).abs(), k))
 
     def compress(self, x: Tensor | Segments, generator: Draws = None, scale: Tensor | None = None) -> SparsePayload:
         """The ``k`` entries; ``x`` may be :class:`~lightning_gradcomp.core.compressors.segments.Segments` (a unit read
