@@ -23,6 +23,11 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
   against the sketched one, and the atoms drawn added into a bucket through their dense matrix against one
   ``addmm_``;
 * QSGD's 4-bit levels packed a pair at a time against as int16 lanes;
+* the entries at 250,000 ascending int32 positions of the 25M-element tensor (Top-k's values): ``x[positions]``
+  against ``index_select``;
+* a gTop-k merge's scatter of 500,000 entries to int64 positions: ``index_put_`` against ``index_copy_``;
+* TernGrad's codes of a layer (one scaler) drawn and packed by the compiled kernel: into a tensor of its own, then
+  copied into the kept wire buffer, against stored in that buffer by the kernel itself;
 
 and alone: Elias-Fano's encoding and decoding of 250,000 indices, gTop-k's merge of two such sets, and
 QSGD's draw of a layer's levels.
@@ -49,9 +54,10 @@ from lightning_gradcomp.core.compressors.indices import (
     unpack_bits,
     unpack_words,
 )
+from lightning_gradcomp.core.compressors.kernels import draw_packed_codes, draw_packed_codes_into_
 from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
-from lightning_gradcomp.core.compressors.ternary import stochastic_levels
+from lightning_gradcomp.core.compressors.ternary import TERNARY_PACKING, stochastic_levels
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, kth_smallest
 from lightning_gradcomp.core.randomness import CounterStream
 
@@ -155,11 +161,40 @@ def main() -> None:
         ),
     ]
     levels = torch.randint(-7, 8, (LAYER,), dtype=torch.int8, generator=generator).to(device)
+    gradient_f = torch.randn(LAYER, generator=generator).to(device)
     pairs.append(
         (
             f"QSGD's 4-bit levels packed, {LAYER} of them",
             ("a pair per byte, eagerly", lambda: paired_levels(levels)),
             ("planar rows, eagerly (the wire)", lambda: qsgd.pack_levels(levels, 7)),
+        )
+    )
+    positions = torch.randperm(args.numel, generator=generator)[:250_000].sort().values.int().to(device)
+    order = torch.randperm(500_000, generator=generator).to(device)
+    places = torch.arange(500_000, dtype=torch.int32, device=device)
+    moved = torch.empty(500_000, dtype=torch.int32, device=device)
+    pairs.append(
+        (
+            f"the entries at 250,000 ascending int32 positions of {args.numel}",
+            ("x[positions]", lambda: x[positions]),
+            ("index_select", lambda: x.index_select(0, positions)),
+        )
+    )
+    pairs.append(
+        (
+            "500,000 entries scattered to int64 positions",
+            ("index_put_", lambda: moved.index_put_((order,), places)),
+            ("index_copy_", lambda: moved.index_copy_(0, order, places)),
+        )
+    )
+    code_args = (torch.tensor([900.0], device=device), CounterStream(3, device).block(LAYER), None, 0, LAYER, False)
+    wire = torch.empty(LAYER // 4 + 16, dtype=torch.uint8, device=device)[16:]  # behind a header, as it travels
+    planar = (TERNARY_PACKING.bias, TERNARY_PACKING.per_byte, TERNARY_PACKING.pad)
+    pairs.append(
+        (
+            f"TernGrad's codes of {LAYER} entries drawn and packed, compiled",
+            ("a tensor, copied into the wire", lambda: wire.copy_(draw_packed_codes(gradient_f, *code_args, *planar))),
+            ("stored in the wire", lambda: draw_packed_codes_into_(wire, gradient_f, *code_args, *planar)),
         )
     )
     indices = torch.randperm(args.numel, generator=generator)[:250_000].sort().values.to(device)
