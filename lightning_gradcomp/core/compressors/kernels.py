@@ -206,22 +206,11 @@ def draw_packed_codes(
 
 
 @fused
-def draw_packed_codes_into_(
-    out: Tensor,
-    g: Tensor,
-    multipliers: Tensor,
-    block: Tensor,
-    cap: Tensor | None,
-    first: int,
-    block_size: int,
-    fractional: bool,
-    bias: int,
-    per_byte: int,
-    pad: int,
-) -> None:
-    """:func:`draw_packed_codes` written into ``out``, the region of the unit's kept wire buffer that travels: compiled,
-    the kernel stores the bytes there itself (a mutated input), with no tensor of their own per call and no copy."""
-    _store(out, _packed_parts(g, multipliers, block, cap, first, block_size, fractional, bias, per_byte, pad))
+def draw_packed_codes_into_(out: Tensor, *arguments: Tensor | int | bool | None) -> None:
+    """:func:`draw_packed_codes` of the same ``arguments`` written into ``out``, the region of the unit's kept wire
+    buffer that travels: compiled, the kernel stores the bytes there itself (a mutated input), with no tensor of their
+    own per call and no copy."""
+    _store(out, _packed_parts(*arguments))  # type: ignore[arg-type]
 
 
 def _store(out: Tensor, parts: list[Tensor]) -> None:
