@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import describe
 from methods import AFTER_WARMUPS, OURS, UNNAMED_METHODS, attach
 from workloads import build_model
 
@@ -290,7 +291,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             mp.spawn(_worker, args=(args.ranks, launch, str(Path(out) / "store"), out), nprocs=args.ranks)
             for rank, rows in enumerate(
-                torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(args.ranks)
+                torch.load(Path(out) / f"{r}.pt", weights_only=True) for r in range(args.ranks)
             ):
                 for model in args.model:
                     ranks[rank][model] += rows[model]
@@ -298,7 +299,8 @@ def main() -> None:
         peak = "peak device" if args.device == "cuda" else "peak RSS"
         print(_table(model_name, [r[model_name] for r in ranks], args.interleave, peak))
     if args.json:
-        args.json.write_text(json.dumps({"setup": vars(args) | {"json": str(args.json)}, "ranks": ranks}, indent=1))
+        setup = vars(args) | {"json": str(args.json), "machine": describe(args.device)}
+        args.json.write_text(json.dumps({"setup": setup, "ranks": ranks}, indent=1))
 
 
 if __name__ == "__main__":
