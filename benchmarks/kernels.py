@@ -27,7 +27,13 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
   against ``index_select``;
 * a gTop-k merge's scatter of 500,000 entries to int64 positions: ``index_put_`` against ``index_copy_``;
 * TernGrad's codes of a layer (one scaler) drawn and packed by the compiled kernel: into a tensor of its own, then
-  copied into the kept wire buffer, against stored in that buffer by the kernel itself;
+  copied into the kept wire buffer (what the codec does), against stored in that buffer by the kernel itself (a
+  mutated input: inductor writes the fields as int32 first and converts them in a second loop);
+* what a compiled CPU loop pays to read integers (the CPU's vector extension is named in the output): a layer's
+  int32 copied by a compiled kernel against the same bytes as float32; sign bits 32 to an int32 word decoded to
+  ``+-s`` by a compiled kernel that loads the words as int32 against one that loads them as float32 and
+  reinterprets them; and the compiled mean of two ranks' planar sign bytes (``mean_of_signs_``) against a copy of
+  its output;
 
 and alone: Elias-Fano's encoding and decoding of 250,000 indices, gTop-k's merge of two such sets, and
 QSGD's draw of a layer's levels.
@@ -54,7 +60,11 @@ from lightning_gradcomp.core.compressors.indices import (
     unpack_bits,
     unpack_words,
 )
-from lightning_gradcomp.core.compressors.kernels import draw_packed_codes, draw_packed_codes_into_
+from lightning_gradcomp.core.compressors.kernels import (
+    draw_packed_codes,
+    encode_signs,
+    mean_of_signs_,
+)
 from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
 from lightning_gradcomp.core.compressors.ternary import TERNARY_PACKING, stochastic_levels
@@ -194,9 +204,11 @@ def main() -> None:
         (
             f"TernGrad's codes of {LAYER} entries drawn and packed, compiled",
             ("a tensor, copied into the wire", lambda: wire.copy_(draw_packed_codes(gradient_f, *code_args, *planar))),
-            ("stored in the wire", lambda: draw_packed_codes_into_(wire, gradient_f, *code_args, *planar)),
+            ("stored in the wire by the kernel", lambda: stored_in_wire(wire, gradient_f, *code_args, *planar)),
         )
     )
+    if device.type == "cpu":
+        pairs += integer_load_pairs(generator)
     indices = torch.randperm(args.numel, generator=generator)[:250_000].sort().values.to(device)
     encoded = encode_indices(indices, args.numel)
     others = torch.randperm(args.numel, generator=generator)[:250_000].sort().values.to(device)
@@ -210,13 +222,75 @@ def main() -> None:
         ("gTop-k's merge of two sets of 250,000 entries", lambda: merge(*sets, 250_000)),
         (f"QSGD's levels drawn, {LAYER} entries", lambda: stochastic_levels(gradient, multipliers, 512, draws)),
     ]
-    where = "one CPU thread" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    where = f"one CPU thread ({vector_isa()})" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"{where}, best of {args.repeats} (ms)")
     for what, (slow_name, slow), (fast_name, fast) in pairs:
         slow_ms, fast_ms = best_ms(slow, args.repeats, device), best_ms(fast, args.repeats, device)
         print(f"{what}: {slow_name} {slow_ms:.2f}, {fast_name} {fast_ms:.2f} ({slow_ms / fast_ms:.1f}x)")
     for what, fn in singles:
         print(f"{what}: {best_ms(fn, args.repeats, device):.2f}")
+
+
+@torch.compile(dynamic=False, fullgraph=True)
+def stored_in_wire(out: torch.Tensor, *arguments: object) -> None:
+    """``draw_packed_codes`` of ``arguments`` stored into ``out`` (a region of the wire) by the compiled kernel."""
+    out.copy_(draw_packed_codes.function(*arguments))
+
+
+#: Words of a row in :func:`word_signs`: 32 planes of 128 words, as many signs as a planar row of bytes holds.
+WORDS_PER_PLANE = 128
+
+
+def vector_isa() -> str:
+    """The vector extension inductor compiles CPU loops for (``VecAVX512``, ``VecAVX2``, ...)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return type(pick_vec_isa()).__name__
+
+
+def word_signs(out: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> None:
+    """``out`` set to ``+-scale`` from sign bits 32 to an int32 word: bit ``k`` of word ``w`` of a row is the sign of
+    its element ``w + k * 128``. ``words`` may come as float32: its bits are read as int32 inside the kernel."""
+    words = words.view(torch.int32) if words.dtype == torch.float32 else words
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device).view(1, 32, 1)
+    bits = (words.view(-1, 1, WORDS_PER_PLANE) >> shifts) & 1
+    out.view(-1, 32, WORDS_PER_PLANE).copy_(torch.where(bits != 0, scale, -scale))
+
+
+def integer_load_pairs(generator: torch.Generator) -> list:
+    """The rows of what a compiled CPU loop pays to read integers (see the module's list)."""
+    compiled = {fn: torch.compile(fn, dynamic=False, fullgraph=True) for fn in (torch.Tensor.copy_, word_signs)}
+    ints = torch.randint(-(2**31), 2**31 - 1, (LAYER,), dtype=torch.int32, generator=generator)
+    ints_out = torch.empty_like(ints)
+    words = ints[: LAYER // 32]
+    signs_out = torch.empty(LAYER)
+    scale = torch.tensor(0.5)
+    flats = [torch.randn(LAYER, generator=generator) for _ in range(2)]
+    bits = [encode_signs(flat, False)[1] for flat in flats]
+    scales = [torch.tensor(0.7), torch.tensor(0.3)]
+    return [
+        (
+            f"{LAYER} int32 copied by a compiled kernel",
+            ("loaded as int32", lambda: compiled[torch.Tensor.copy_](ints_out, ints)),
+            (
+                "loaded as float32",
+                lambda: compiled[torch.Tensor.copy_](ints_out.view(torch.float32), ints.view(torch.float32)),
+            ),
+        ),
+        (
+            f"{LAYER} signs, 32 to an int32 word, decoded by a compiled kernel",
+            ("words loaded as int32", lambda: compiled[word_signs](signs_out, words, scale)),
+            (
+                "loaded as float32, bits reinterpreted",
+                lambda: compiled[word_signs](signs_out, words.view(torch.float32), scale),
+            ),
+        ),
+        (
+            f"the mean of two ranks' planar sign bytes of {LAYER}, compiled",
+            ("mean_of_signs_", lambda: mean_of_signs_(signs_out, bits, scales)),
+            ("a copy of its output's size", lambda: signs_out.copy_(flats[0])),
+        ),
+    ]
 
 
 def paired_levels(levels: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,11 @@ kernel compiles once per session (seconds each, cached on disk for later runs).
 
 from __future__ import annotations
 
+import math
+import re
 import threading
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,17 +22,11 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
+import lightning_gradcomp.core.compressors.kernels as kernels
 import lightning_gradcomp.core.fused as fused_module
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
 from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, TernGradCompressor
-from lightning_gradcomp.core.compressors.kernels import (
-    clipped_scale,
-    draw_codes,
-    draw_packed_codes,
-    draw_packed_codes_into_,
-    encode_signs,
-    encode_signs_into_,
-)
+from lightning_gradcomp.core.compressors.kernels import clipped_scale, draw_codes, draw_packed_codes, encode_signs
 from lightning_gradcomp.core.compressors.ternary import ENCODE_CHUNK
 from lightning_gradcomp.core.fused import FusedKernel, codec_mode, set_codec_mode
 from lightning_gradcomp.core.randomness import CounterStream
@@ -37,11 +34,6 @@ from lightning_gradcomp.core.randomness import CounterStream
 #: Two eager chunks, the second partial: the eager path draws piecewise, the compiled one in one kernel.
 NUMEL = ENCODE_CHUNK + 4_321
 EPS32 = torch.finfo(torch.float32).eps / 2  # fp32's unit roundoff
-
-
-def _packed_calls() -> int:
-    """Compiled calls of the packed-codes kernels: stored in the kept buffer (one multiplier) or returned (several)."""
-    return draw_packed_codes.compiled_calls + draw_packed_codes_into_.compiled_calls
 
 
 @pytest.fixture
@@ -72,17 +64,14 @@ def _compress_both(
 def test_compiled_stochastic_codes_are_the_eager_chunked_draws_byte_for_byte(compressor: object, mode: object) -> None:
     # blocks that do not line up with the planar rows are drawn in eager chunks: no kernel runs compiled
     unaligned = getattr(compressor, "block_size", None) == 7
-    calls = [draw_codes.compiled_calls, _packed_calls()]
+    calls = [draw_codes.compiled_calls, draw_packed_codes.compiled_calls]
     for key in (1, 2):
         x = _gradient(key)
         # TernGrad's scaler is a float from reductions (compared in the next test): both draw under the eager one
         extra = {"local_scale": compressor.local_scale(x)} if isinstance(compressor, TernGradCompressor) else {}
         compiled, eager = _compress_both(compressor, x, key, mode, **extra)
         assert torch.equal(compiled.to_bytes(), eager.to_bytes())
-    assert [draw_codes.compiled_calls, _packed_calls()] == [
-        calls[0],
-        calls[1] + 2 * (not unaligned),
-    ]
+    assert [draw_codes.compiled_calls, draw_packed_codes.compiled_calls] == [calls[0], calls[1] + 2 * (not unaligned)]
 
 
 def test_the_compiled_scaler_is_the_eager_one_within_the_rounding_of_a_reordered_variance(mode: object) -> None:
@@ -115,47 +104,68 @@ def test_compiled_signs_are_the_eager_bits_and_the_magnitude_within_summation_ro
         assert abs(float(compiled.scale) - scale) <= (relative + 4 * EPS32) * scale
 
 
-@pytest.mark.parametrize("offset", [0, 4, 5])  # where a region starts in a kept buffer: behind a header, unaligned
-def test_compiled_kernels_store_codes_and_signs_in_the_kept_buffer_as_the_eager_ones_without_allocating(
-    mode: object, offset: int
-) -> None:
-    from torch.profiler import ProfilerActivity, profile
+def _packed(*arguments: object) -> torch.Tensor:
+    return draw_packed_codes.function(*arguments)
 
-    x = _gradient(6)
-    multipliers, block = torch.tensor([900.0]), CounterStream(3).block(NUMEL)  # one key for all
-    arguments = (None, 0, NUMEL, False, 1, 4, 1)
-    expected = draw_packed_codes.eager(x, multipliers, block, *arguments)
-    magnitude, bits = encode_signs.eager(x, False)
-    mode("compiled")
-    kept = torch.zeros(offset + expected.numel() + bits.numel(), dtype=torch.uint8)
-    codes_region = kept[offset : offset + expected.numel()]
-    bits_region = kept[offset + expected.numel() :]
-    draw_packed_codes_into_(codes_region, x, multipliers, block, *arguments)  # compiled first
-    encode_signs_into_(bits_region, x, False)
-    kept.zero_()
-    calls = draw_packed_codes_into_.compiled_calls
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-        draw_packed_codes_into_(codes_region, x, multipliers, block, *arguments)
-        compiled_magnitude = encode_signs_into_(bits_region, x, False)
-    assert draw_packed_codes_into_.compiled_calls == calls + 1
-    assert torch.equal(codes_region, expected) and torch.equal(bits_region, bits)
-    assert torch.equal(kept[:offset], torch.zeros(offset, dtype=torch.uint8))  # nothing written in front
-    # the magnitude is a sum of d terms of one sign: within 2 (d - 1) u of the eager one, and a few roundings
-    assert abs(float(compiled_magnitude) - float(magnitude)) <= (2 * (NUMEL - 1) + 4) * EPS32 * float(magnitude)
-    # no allocation the size of the bytes: only the stream's key and the 0-dim magnitude
-    allocated = max((e.cpu_memory_usage for e in recorded.events() if e.cpu_memory_usage > 0), default=0)
-    assert allocated < bits.numel()
+
+def _signs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return encode_signs.function(x, False)
+
+
+def _stored(out: torch.Tensor, *arguments: object) -> None:
+    """The bytes stored by the kernel itself, piece by piece, into the region ``out`` (the control)."""
+    at = 0
+    for part in kernels._packed_parts(*arguments):
+        out[at : at + part.numel()].copy_(part)
+        at += part.numel()
+
+
+def _buffers(function: Callable[..., object], *arguments: object) -> list[int]:
+    """Bytes of each buffer that inductor's wrapper of ``function`` allocates per call, read from its generated code
+    (its own allocations bypass the profiler's count)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with (
+        mock.patch.object(GraphLowering, "save_output_code", codes.append),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        torch.compile(function, dynamic=False, fullgraph=True)(*arguments)
+    pattern = r"empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)"
+    return [
+        math.prod(int(d) for d in shape.split(",") if d.strip()) * getattr(torch, dtype).itemsize
+        for shape, dtype in re.findall(pattern, "".join(codes))
+    ]
+
+
+def test_the_compiled_encoders_allocate_their_bytes_and_nothing_larger() -> None:
+    """A compiled encoder allocates its bytes and a few small pieces, no int32 plane of the fields before them. The
+    control, the same bytes stored by a compiled kernel into a region handed to it (a mutated input), allocates the
+    fields as int32 first, 4x the bytes, and converts them in a second loop."""
+    numel = 8 * 4096  # whole rows of both layouts
+    x = _gradient(6)[:numel]
+    arguments = (torch.tensor([900.0]), CounterStream(3).block(numel), None, 0, numel, False, 1, 4, 1)
+    nbytes = -(-numel // 4)
+    codes = _buffers(_packed, x, *arguments)
+    signs = _buffers(_signs, x)
+    assert nbytes <= sum(codes) <= nbytes + 2048 and max(codes) <= nbytes
+    assert -(-numel // 8) <= sum(signs) <= -(-numel // 8) + 2048
+    region = torch.empty(nbytes, dtype=torch.uint8)
+    assert max(_buffers(_stored, region, x, *arguments)) == 4 * nbytes  # the int32 plane
+    assert torch.equal(region, draw_packed_codes.eager(x, *arguments))
 
 
 def test_new_keys_and_new_values_reuse_the_compiled_kernels(mode: object) -> None:
     mode("compiled")
     compressor = TernGradCompressor()
     compressor.compress(_gradient(0), CounterStream(5))
-    graphs, calls = counters["stats"]["unique_graphs"], draw_packed_codes_into_.compiled_calls
+    graphs, calls = counters["stats"]["unique_graphs"], draw_packed_codes.compiled_calls
     for step in range(6):
         compressor.compress(_gradient(10 + step), CounterStream(1000 + step))
     assert counters["stats"]["unique_graphs"] == graphs  # a stream's key travels as a tensor: no specialisation
-    assert draw_packed_codes_into_.compiled_calls == calls + 6
+    assert draw_packed_codes.compiled_calls == calls + 6
 
 
 def test_without_a_compiler_kernels_warn_once_and_run_eagerly(mode: object, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,14 +220,14 @@ def _train(group: dist.ProcessGroup, codecs: str) -> dict:
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
-    callers, calls = [], draw_packed_codes_into_.compiled_calls
-    compiled = draw_packed_codes_into_.compiled
+    callers, calls = [], draw_packed_codes.compiled_calls
+    compiled = draw_packed_codes.compiled
 
     def recording(*args: object) -> object:  # which thread calls the compiled kernel
         callers.append(threading.current_thread().name)
         return compiled(*args)
 
-    draw_packed_codes_into_.compiled = recording
+    draw_packed_codes.compiled = recording
     for step in range(4):
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(ddp(x), y)
@@ -225,10 +235,10 @@ def _train(group: dist.ProcessGroup, codecs: str) -> dict:
         worker.start()
         worker.join()
         optimizer.step()
-    del draw_packed_codes_into_.compiled
+    del draw_packed_codes.compiled
     return {
         "weights": [p.detach().clone() for p in model.parameters()],
-        "compiled_calls": draw_packed_codes_into_.compiled_calls - calls,
+        "compiled_calls": draw_packed_codes.compiled_calls - calls,
         "callers": sorted(set(callers)),
     }
 
@@ -257,23 +267,17 @@ def test_kernels_on_cuda_are_the_cpus_and_never_wait_for_the_host(mode: object) 
     arguments = (None, 0, NUMEL, False, 1, 4, 1)
     expected = draw_packed_codes.eager(x, multipliers, stream_cpu.block(NUMEL), *arguments)
     gx, gm = x.to(cuda), multipliers.to(cuda)
-    kept_codes = torch.empty_like(expected, device=cuda)
-    kept_bits = torch.empty(-(-NUMEL // 8), dtype=torch.uint8, device=cuda)
     draw_packed_codes(gx, gm, stream_gpu.block(NUMEL), *arguments)  # compile first: compiling may synchronise
-    draw_packed_codes_into_(kept_codes, gx, gm, stream_gpu.block(NUMEL), *arguments)
     encode_signs(gx, False)
-    encode_signs_into_(kept_bits, gx, False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         packed = draw_packed_codes(gx, gm, CounterStream(9, cuda).block(NUMEL), *arguments)
         _, bits = encode_signs(gx, False)
-        draw_packed_codes_into_(kept_codes.zero_(), gx, gm, CounterStream(9, cuda).block(NUMEL), *arguments)
-        encode_signs_into_(kept_bits.zero_(), gx, False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(packed.cpu(), expected) and torch.equal(kept_codes.cpu(), expected)
-    assert torch.equal(bits.cpu(), encode_signs.eager(x, False)[1]) and torch.equal(kept_bits.cpu(), bits.cpu())
+    assert torch.equal(packed.cpu(), expected)
+    assert torch.equal(bits.cpu(), encode_signs.eager(x, False)[1])
 
 
 def test_sizes_past_the_recompile_limit_run_eagerly_with_one_warning(

@@ -10,13 +10,7 @@ import torch
 
 import lightning_gradcomp.core.fused as fused_module
 from lightning_gradcomp.core.compressors import QSGDCompressor
-from lightning_gradcomp.core.compressors.kernels import (
-    draw_codes,
-    draw_packed_codes,
-    draw_packed_codes_into_,
-    mean_of_fields_,
-    stochastic_codes,
-)
+from lightning_gradcomp.core.compressors.kernels import draw_codes, draw_packed_codes, mean_of_fields_, stochastic_codes
 from lightning_gradcomp.core.compressors.planar import (
     STRIPE,
     field_positions,
@@ -31,11 +25,6 @@ from lightning_gradcomp.core.randomness import CounterStream
 
 #: (per_byte, bias, pad): ternary codes, 4-bit levels, 8-bit levels.
 LAYOUTS = [(4, 1, 1), (2, 7, 0), (1, 20, 0)]
-
-
-def _packed_calls() -> int:
-    """Compiled calls of the packed-codes kernels: stored in the kept buffer (one multiplier) or returned (several)."""
-    return draw_packed_codes.compiled_calls + draw_packed_codes_into_.compiled_calls
 
 
 @pytest.fixture
@@ -137,13 +126,10 @@ def test_the_compiled_draw_kernels_run_on_the_rows_they_are_given(mode: object) 
     packing = CodePacking(4, bias=1, pad=1)
     for block_size, packed_calls in [(512, 1), (1000, 0), (1536, 0)]:
         multipliers = torch.full((-(-g.numel() // block_size),), 900.0)
-        calls = [draw_codes.compiled_calls, _packed_calls()]
+        calls = [draw_codes.compiled_calls, draw_packed_codes.compiled_calls]
         packed = torch.empty(packing.nbytes(g.numel()), dtype=torch.uint8)
         _counter_codes(g, multipliers, block_size, CounterStream(1), None, False, packing, packed)
-        assert [draw_codes.compiled_calls, _packed_calls()] == [
-            calls[0],
-            calls[1] + packed_calls,
-        ]
+        assert [draw_codes.compiled_calls, draw_packed_codes.compiled_calls] == [calls[0], calls[1] + packed_calls]
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,8 @@ __all__ = [
     "clipped_scale",
     "draw_codes",
     "draw_packed_codes",
-    "draw_packed_codes_into_",
     "drawn_whole",
     "encode_signs",
-    "encode_signs_into_",
     "field_values",
     "mean_of_fields_",
     "mean_of_signs_",
@@ -205,22 +203,6 @@ def draw_packed_codes(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-@fused
-def draw_packed_codes_into_(out: Tensor, *arguments: Tensor | int | bool | None) -> None:
-    """:func:`draw_packed_codes` of the same ``arguments`` written into ``out``, the region of the unit's kept wire
-    buffer that travels: compiled, the kernel stores the bytes there itself (a mutated input), with no tensor of their
-    own per call and no copy."""
-    _store(out, _packed_parts(*arguments))  # type: ignore[arg-type]
-
-
-def _store(out: Tensor, parts: list[Tensor]) -> None:
-    """The consecutive ``parts`` written into ``out`` (of their total size), each into its own slice: no joined copy."""
-    at = 0
-    for part in parts:
-        out[at : at + part.numel()].copy_(part)
-        at += part.numel()
-
-
 def _packed_parts(
     g: Tensor,
     multipliers: Tensor,
@@ -305,14 +287,6 @@ def encode_signs(flat: Tensor, rms: bool) -> tuple[Tensor, Tensor]:
     parts = _sign_parts(flat)
     bits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
     return _sign_magnitude(flat, rms), bits
-
-
-@fused
-def encode_signs_into_(out: Tensor, flat: Tensor, rms: bool) -> Tensor:
-    """:func:`encode_signs` with the bits written into ``out`` (the kept wire buffer's region): compiled, stored there
-    by the kernel itself, with no tensor of their own per call and no copy. Returns the magnitude."""
-    _store(out, _sign_parts(flat))
-    return _sign_magnitude(flat, rms)
 
 
 def _sign_magnitude(flat: Tensor, rms: bool) -> Tensor:

@@ -38,7 +38,7 @@ from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.kernels import (
     SIGN_ROW,
     SIGN_STRIPE,
-    encode_signs_into_,
+    encode_signs,
     mean_of_signs_,
     sign_row_split,
     subtract_signs_,
@@ -268,10 +268,11 @@ class ScaledSignCompressor(Compressor):
         ``scratch`` (:func:`~lightning_gradcomp.core.compressors.wire.own_payload`): no copy to send them."""
         flat = x.detach().reshape(-1)
         nbytes = (flat.numel() + 7) // 8
-        if compiles_on(flat.device):  # one fused pass for the norm and the bits, stored where they travel
-            wire, header, region = own_payload(scratch, flat.new_zeros(1, dtype=torch.float32), nbytes)
-            header.copy_(encode_signs_into_(region, flat, self.magnitude == "rms").reshape(1))
-            return SignPayload(header[0], region, x.shape, x.dtype, wire)
+        if compiles_on(flat.device):  # one fused pass for the norm and the bits, then copied where they travel (a
+            # kernel that stored them there itself wrote them as int32 first, 4x the bytes, and converted them after)
+            magnitude, bits = encode_signs(flat, self.magnitude == "rms")
+            wire, header, region = own_payload(scratch, magnitude.reshape(1), nbytes)
+            return SignPayload(header[0], region.copy_(bits), x.shape, x.dtype, wire)
         if self.magnitude == "rms":
             magnitude = flat.float().norm() / max(1, flat.numel()) ** 0.5
         else:

@@ -32,7 +32,6 @@ from lightning_gradcomp.core.compressors.kernels import (
     aligned_blocks,
     draw_codes,
     draw_packed_codes,
-    draw_packed_codes_into_,
     drawn_whole,
     mean_of_fields_,
 )
@@ -481,12 +480,11 @@ def _counter_codes(
         assert packing is not None
         done = drawn_whole(numel, multipliers.numel(), block_size, packing.per_byte)
         if done:
-            whole = (g[:done], multipliers, block, cap, 0, block_size, fractional, *layout)
-            if several:  # stored by the kernel itself, inductor's loop for a multiplier per block keeps six bool
-                # planes of the bytes' size and runs 10x slower (16.7M entries in blocks of 512: 485 against 51 ms)
-                packed[: packing.nbytes(done)].copy_(draw_packed_codes(*whole))
-            else:  # one multiplier: the kernel stores the bytes where they travel, no tensor of its own
-                draw_packed_codes_into_(packed[: packing.nbytes(done)], *whole)
+            # the kernel's own bytes, then copied into the wire: stored in the wire by the kernel itself (a mutated
+            # input), inductor first wrote the fields as int32 (4x the bytes) and converted them in a second loop,
+            # whose int32 loads take a slow path on AVX2 (benchmarks/kernels.py: 51 against 40 ms a layer there)
+            drawn = draw_packed_codes(g[:done], multipliers, block, cap, 0, block_size, fractional, *layout)
+            packed[: packing.nbytes(done)].copy_(drawn)
         if done < numel:  # the last, partial row across several blocks, eagerly (drawn_whole says why)
             piece = block.clone()
             piece[2] += done
