@@ -47,7 +47,7 @@ import torch
 from timing import best_ms, kernel_device, kernel_parser
 
 from lightning_gradcomp.core.comm.gtopk import SparseSet, merge
-from lightning_gradcomp.core.compressors import blocks, qsgd
+from lightning_gradcomp.core.compressors import blocks, kernels, qsgd
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks, streamed_above
@@ -233,8 +233,12 @@ def main() -> None:
 
 @torch.compile(dynamic=False, fullgraph=True)
 def stored_in_wire(out: torch.Tensor, *arguments: object) -> None:
-    """``draw_packed_codes`` of ``arguments`` stored into ``out`` (a region of the wire) by the compiled kernel."""
-    out.copy_(draw_packed_codes.function(*arguments))
+    """``draw_packed_codes`` of ``arguments`` stored into ``out`` (a region of the wire) by the compiled kernel, piece
+    by piece, as the codec once did."""
+    at = 0
+    for part in kernels._packed_parts(*arguments):
+        out[at : at + part.numel()].copy_(part)
+        at += part.numel()
 
 
 #: Words of a row in :func:`word_signs`: 32 planes of 128 words, as many signs as a planar row of bytes holds.
