@@ -482,7 +482,8 @@ def _counter_codes(
         if done:
             # the kernel's own bytes, then copied into the wire: stored in the wire by the kernel itself (a mutated
             # input), inductor first wrote the fields as int32 (4x the bytes) and converted them in a second loop,
-            # whose int32 loads take a slow path on AVX2 (benchmarks/kernels.py: 51 against 40 ms a layer there)
+            # whose int32 loads take a slow path on AVX2 (benchmarks/kernels.py on an AMD EPYC: 45-51 ms a 4096 x
+            # 4096 layer against 40-42)
             drawn = draw_packed_codes(g[:done], multipliers, block, cap, 0, block_size, fractional, *layout)
             packed[: packing.nbytes(done)].copy_(drawn)
         if done < numel:  # the last, partial row across several blocks, eagerly (drawn_whole says why)
