@@ -263,7 +263,8 @@ def word_signs(out: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> N
 
 def integer_load_pairs(generator: torch.Generator) -> list:
     """The rows of what a compiled CPU loop pays to read integers (see the module's list)."""
-    compiled = {fn: torch.compile(fn, dynamic=False, fullgraph=True) for fn in (torch.Tensor.copy_, word_signs)}
+    copy = torch.compile(torch.Tensor.copy_, dynamic=False, fullgraph=True)
+    signs = torch.compile(word_signs, dynamic=False, fullgraph=True)
     ints = torch.randint(-(2**31), 2**31 - 1, (LAYER,), dtype=torch.int32, generator=generator)
     ints_out = torch.empty_like(ints)
     words = ints[: LAYER // 32]
@@ -275,18 +276,18 @@ def integer_load_pairs(generator: torch.Generator) -> list:
     return [
         (
             f"{LAYER} int32 copied by a compiled kernel",
-            ("loaded as int32", lambda: compiled[torch.Tensor.copy_](ints_out, ints)),
+            ("loaded as int32", lambda: copy(ints_out, ints)),
             (
                 "loaded as float32",
-                lambda: compiled[torch.Tensor.copy_](ints_out.view(torch.float32), ints.view(torch.float32)),
+                lambda: copy(ints_out.view(torch.float32), ints.view(torch.float32)),
             ),
         ),
         (
             f"{LAYER} signs, 32 to an int32 word, decoded by a compiled kernel",
-            ("words loaded as int32", lambda: compiled[word_signs](signs_out, words, scale)),
+            ("words loaded as int32", lambda: signs(signs_out, words, scale)),
             (
                 "loaded as float32, bits reinterpreted",
-                lambda: compiled[word_signs](signs_out, words.view(torch.float32), scale),
+                lambda: signs(signs_out, words.view(torch.float32), scale),
             ),
         ),
         (

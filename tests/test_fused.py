@@ -104,6 +104,8 @@ def test_compiled_signs_are_the_eager_bits_and_the_magnitude_within_summation_ro
         assert abs(float(compiled.scale) - scale) <= (relative + 4 * EPS32) * scale
 
 
+# the encoders under functions of their own: dynamo compiles these afresh (the codecs' compiled frames would be reused,
+# and no code generated to read)
 def _packed(*arguments: object) -> torch.Tensor:
     return draw_packed_codes.function(*arguments)
 
