@@ -1,115 +1,138 @@
-"""Why the compiled decodes of packed codes ran at a fraction of memory speed on the CPU, and what the planar rows buy.
+"""Why the compiled decodes of planar bytes ran at a fraction of memory speed on an AVX2 CPU, and what words buy.
 
-Packed interleaved, code ``j`` lies in byte ``j // per_byte`` (the wire before its planar rows: QSGD's 4-bit levels
-two to a byte, ternary codes four, the scaled signs eight). Inductor's C++ loop over the decoded elements then reads
-each element's byte with one scalar load (it fills a vector lane by lane), so a compiled mean of the ranks' payloads
-runs well below memory speed. In the planar rows (the wire now) the fields of one byte are elements a stripe of 512
-apart, so every load and store is contiguous. This script times, for one 4096 x 4096 layer on one CPU thread (or
-``--device cuda``), each operation both ways, with a compiled fill of the layer as the floor (writing the mean is most
-of the traffic):
+In planar bytes (the wire before its words), a row of ``per_byte * 512`` codes lies in 512 bytes, field ``k`` of
+byte ``b`` holding code ``b + 512 k``. Inductor's C++ loop then loads the bytes as ``uint8`` vectors, and on AVX2
+torch's vector load of a count of integers goes through a buffer on the stack (its float32 load, and AVX-512's integer
+loads, are single instructions). In planar words (the wire now) a row of ``4 * per_byte * 512`` codes lies in 512
+little-endian 32-bit words, field ``k`` of word ``v`` holding code ``v + 512 k``, and the kernels load the words as
+float32 and reinterpret them. This script times, for one 4096 x 4096 layer on one CPU thread (or ``--device cuda``),
+each operation both ways, with a compiled copy of the layer as the floor (writing the mean is most of the traffic):
 
 * the mean of two ranks' 4-bit levels, one scale per block of 512 (DIANA's and QSGD's);
 * the mean of two ranks' ternary codes under one shared scale (TernGrad's);
-* the mean of two ranks' scaled signs (EF-sign's);
+* the mean of two ranks' scaled signs (EF-sign's), and EF-sign's residual ``p - C(p)``;
+* a layer's signs packed with its magnitude (EF-sign's encoder);
 * QSGD's 4-bit levels of a layer drawn (one counter hash per element) and packed.
 
-Each interleaved prototype (the kernel as it was) gives the library's result on the same codes, and its draw the
+Each planar-byte prototype (the kernel as it was) gives the library's result on the same codes, and its draw the
 library's codes, element for element (checked before timing). The prototypes are not wire formats the library reads.
 
-    python benchmarks/field_layout.py --json benchmarks/results/field_layout_planar_cpu.json
+    python benchmarks/field_layout.py --json benchmarks/results/field_layout_words_cpu_amd_epyc.json
 """
 
 from __future__ import annotations
 
 import json
-import platform
+from collections.abc import Callable
 
 import torch
+from machine import describe
 from timing import best_ms, kernel_device, kernel_parser
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.kernels import (
     _codes_of,
+    _sign_magnitude,
     draw_packed_codes,
+    encode_signs,
     mean_of_fields_,
     mean_of_signs_,
     mean_of_summed_fields_,
+    subtract_signs_,
 )
 from lightning_gradcomp.core.compressors.planar import STRIPE, fields_of_rows, pack_fields
-from lightning_gradcomp.core.compressors.sign import pack_signs
 from lightning_gradcomp.core.fused import set_codec_mode
 from lightning_gradcomp.core.randomness import CounterStream, hash_at
 
 LAYER = 4096 * 4096
 BLOCK, BIAS = 512, 8  # QSGD's 4-bit levels: 7 levels each side, field = level + 8
+#: Bytes per row of the planar-byte prototypes (the old wire's stripe).
+BYTE_STRIPE = 512
 
 
-def interleaved_fields(packed: Tensor, per_byte: int, row: int) -> Tensor:
-    """The int32 fields of interleaved bytes in element order, shaped ``(rows, row)``: code ``j`` in field
-    ``j % per_byte`` of byte ``j // per_byte`` (the decode the compiled means ran before the planar rows, a row of
-    ``row`` codes at a time)."""
+def byte_fields(packed: Tensor, per_byte: int) -> Tensor:
+    """The int32 fields of planar bytes in element order, shaped ``(rows, per_byte, 512)``: the decode the compiled
+    kernels ran before the words (uint8 loads)."""
     width = 8 // per_byte
-    j = torch.arange(row, dtype=torch.int32, device=packed.device)
-    words = packed.view(-1, row // per_byte)[:, j // per_byte].to(torch.int32)
-    return (words >> ((j & (per_byte - 1)) * width)) & ((1 << width) - 1)
+    shifts = width * torch.arange(per_byte, dtype=torch.int32, device=packed.device).view(1, per_byte, 1)
+    return (packed.view(-1, 1, BYTE_STRIPE).to(torch.int32) >> shifts) & ((1 << width) - 1)
 
 
-def interleaved_levels_mean_(out: Tensor, packs: list[Tensor], scales: list[Tensor]) -> None:
-    """The mean of the ranks' interleaved 4-bit levels times their block scales, summed and divided as
+def byte_rows(fields: Tensor, per_byte: int) -> Tensor:
+    """Fields in element order (int32) packed into planar bytes, one OR of shifted planes per byte."""
+    width = 8 // per_byte
+    rows = fields.view(-1, per_byte, BYTE_STRIPE)
+    packed = rows[:, 0]
+    for k in range(1, per_byte):
+        packed = packed | (rows[:, k] << (width * k))
+    return packed.to(torch.uint8).reshape(-1)
+
+
+def byte_levels_mean_(out: Tensor, packs: list[Tensor], scales: list[Tensor]) -> None:
+    """The mean of the ranks' planar-byte 4-bit levels times their block scales, summed and divided as
     ``mean_of_fields_`` does."""
     total = None
     for packed, scale in zip(packs, scales, strict=True):
-        values = (interleaved_fields(packed, 2, BLOCK) - BIAS).to(torch.float32) * scale[:, None]
+        values = (byte_fields(packed, 2) - BIAS).to(torch.float32).view(scale.numel(), -1) * scale[:, None]
         total = values if total is None else total + values
     assert total is not None
     out.view(total.shape).copy_(total / len(packs))
 
 
-def interleaved_ternary_mean_(out: Tensor, packs: list[Tensor], scale: Tensor) -> None:
-    """The mean of the ranks' interleaved ternary codes under one shared scale: the codes summed as integers, scaled
-    once, divided (``mean_of_summed_fields_``'s arithmetic)."""
+def byte_ternary_mean_(out: Tensor, packs: list[Tensor], scale: Tensor) -> None:
+    """The mean of the ranks' planar-byte ternary codes under one shared scale: summed as integers, scaled once,
+    divided (``mean_of_summed_fields_``'s arithmetic)."""
     total = None
     for packed in packs:
-        codes = interleaved_fields(packed, 4, 512) - 1
+        codes = byte_fields(packed, 4) - 1
         total = codes if total is None else total + codes
     assert total is not None
     out.view(total.shape).copy_(total.to(scale.dtype) * scale / len(packs))
 
 
-def interleaved_signs_mean_(out: Tensor, packs: list[Tensor], scales: list[Tensor], table: Tensor) -> None:
-    """The mean of the ranks' scaled signs packed interleaved (byte ``b`` holds signs ``8 b .. 8 b + 7``): row ``b`` of
-    ``table`` is byte ``b``'s eight signs; the kernel as it was before the planar rows."""
-    total = table[packs[0].to(torch.int32)] * scales[0]
+def byte_signs(packed: Tensor) -> Tensor:
+    """The signs (+-1, float32) of planar sign bytes, shaped ``(rows, 8, 512)``."""
+    return (byte_fields(packed, 8) * 2 - 1).to(torch.float32)
+
+
+def byte_signs_mean_(out: Tensor, packs: list[Tensor], scales: list[Tensor]) -> None:
+    """The mean of the ranks' scaled signs from planar bytes (``mean_of_signs_``'s arithmetic)."""
+    total = byte_signs(packs[0]) * scales[0]
     for rank in range(1, len(packs)):
-        total = total + table[packs[rank].to(torch.int32)] * scales[rank]
+        total = total + byte_signs(packs[rank]) * scales[rank]
     out.view(total.shape).copy_(total / len(packs))
 
 
-def interleaved_draw(g: Tensor, multipliers: Tensor, block: Tensor) -> Tensor:
+def byte_signs_residual_(out: Tensor, compensated: Tensor, packed: Tensor, scale: Tensor) -> None:
+    """``out = compensated - scale * sign`` from planar sign bytes (``subtract_signs_``'s arithmetic)."""
+    signs = byte_signs(packed) * scale
+    out.view(signs.shape).copy_(compensated.view(signs.shape) - signs)
+
+
+def byte_encode_signs(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """EF-sign's magnitude and its signs in planar bytes (``encode_signs`` as it was)."""
+    return _sign_magnitude(flat, False), byte_rows(torch.where(flat >= 0, 1, 0).to(torch.int32), 8)
+
+
+def byte_draw(g: Tensor, multipliers: Tensor, block: Tensor) -> Tensor:
     """QSGD's 4-bit levels of ``g`` (whole blocks of ``BLOCK``) drawn as ``draw_packed_codes`` draws them (element
-    ``j`` from counter ``j``), packed interleaved, each byte's two codes drawn side by side (the kernel as it was)."""
-    blocks, per_row = g.numel() // BLOCK, BLOCK // 2
-    columns = g.view(blocks, per_row, 2)
-    starts = BLOCK * torch.arange(blocks, dtype=torch.int32, device=g.device)
-    rows = starts[:, None] + 2 * torch.arange(per_row, dtype=torch.int32, device=g.device)
-    column = multipliers[:, None]
+    ``j`` from counter ``j``), packed in planar bytes, each byte's two codes drawn side by side (the kernel as it
+    was)."""
+    rows = g.numel() // (2 * BYTE_STRIPE)
+    columns = g.view(rows, 2, BYTE_STRIPE)
+    index = torch.arange(BYTE_STRIPE, dtype=torch.int32, device=g.device)
+    offsets = 2 * BYTE_STRIPE * torch.arange(rows, dtype=torch.int32, device=g.device)[:, None] + index
+    column = multipliers[:, None]  # blocks of 512: one per plane of a row
     packed = None
-    for p in range(2):
-        codes = _codes_of(columns[..., p], lambda v: v * column, hash_at(block, rows + p), None, True)
-        field = (codes.to(torch.int32) + BIAS) << (4 * p)
+    for k in range(2):
+        plane = column.view(rows, 2, 1)[:, k]
+        codes = _codes_of(
+            columns[:, k], lambda v, m=plane: v * m, hash_at(block, offsets + k * BYTE_STRIPE), None, True
+        )
+        field = (codes.to(torch.int32) + BIAS) << (4 * k)
         packed = field if packed is None else packed | field
     assert packed is not None
     return packed.to(torch.uint8).reshape(-1)
-
-
-def interleaved(fields: Tensor, per_byte: int) -> Tensor:
-    """Fields (one per code) packed as the wire does: code ``j`` in byte ``j // per_byte``, the first lowest."""
-    width = 8 // per_byte
-    columns = fields.view(-1, per_byte).to(torch.int32)
-    packed = columns[:, 0]
-    for k in range(1, per_byte):
-        packed = packed | (columns[:, k] << (width * k))
-    return packed.to(torch.uint8)
 
 
 def main() -> None:
@@ -117,83 +140,109 @@ def main() -> None:
     device = kernel_device(args)
     set_codec_mode("compiled")
     generator = torch.Generator().manual_seed(0)
-    out, floor_out = torch.empty(LAYER, device=device), torch.empty(LAYER, device=device)
+    out = torch.empty(LAYER, device=device)
+
+    def compiled(fn: Callable[..., object]) -> Callable[..., object]:
+        return torch.compile(fn, dynamic=False, fullgraph=True)
+
+    levels_bytes, ternary_bytes, signs_bytes = (
+        compiled(f) for f in (byte_levels_mean_, byte_ternary_mean_, byte_signs_mean_)
+    )
+    residual_bytes, encode_bytes, draw_bytes = (
+        compiled(f) for f in (byte_signs_residual_, byte_encode_signs, byte_draw)
+    )
+    pack_bytes = compiled(byte_rows)
+    copy = compiled(lambda o, s: o.copy_(s))
 
     fields = [torch.randint(1, 16, (LAYER,), dtype=torch.int32, generator=generator).to(device) for _ in range(2)]
     scales = [torch.rand(LAYER // BLOCK, generator=generator).to(device) for _ in range(2)]
-    old_levels = [interleaved(f, 2) for f in fields]
-    wire_levels = [pack_fields(f, 2, 0) for f in fields]
     ternary = [torch.randint(0, 3, (LAYER,), dtype=torch.int32, generator=generator).to(device) for _ in range(2)]
-    old_ternary = [interleaved(f, 4) for f in ternary]
-    wire_ternary = [pack_fields(f, 4, 1) for f in ternary]
     shared = torch.rand((), generator=generator).to(device)
     signed = [torch.randn(LAYER, generator=generator).to(device) for _ in range(2)]
     magnitudes = [torch.rand((), generator=generator).to(device) for _ in range(2)]
-    old_signs = [interleaved((x >= 0).to(torch.uint8), 8) for x in signed]
-    wire_signs = [pack_signs(x) for x in signed]
-    bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
-    table = (2 * bits - 1).to(torch.float32)
-
-    levels_interleaved = torch.compile(interleaved_levels_mean_, dynamic=False, fullgraph=True)
-    ternary_interleaved = torch.compile(interleaved_ternary_mean_, dynamic=False, fullgraph=True)
-    signs_interleaved = torch.compile(interleaved_signs_mean_, dynamic=False, fullgraph=True)
-    fill = torch.compile(lambda o, s: o.copy_(s.expand(o.shape) * 2), dynamic=False, fullgraph=True)
+    bits = [torch.where(x >= 0, 1, 0).to(torch.int32) for x in signed]
+    levels = {
+        "bytes": [pack_bytes(f, 2) for f in fields],
+        "words": [pack_fields(f, 2, 0).view(torch.uint8) for f in fields],
+    }
+    codes = {
+        "bytes": [pack_bytes(f, 4) for f in ternary],
+        "words": [pack_fields(f, 4, 1).view(torch.uint8) for f in ternary],
+    }
+    signs = {
+        "bytes": [pack_bytes(b, 8) for b in bits],
+        "words": [encode_signs(x, False)[1].view(torch.uint8) for x in signed],
+    }
 
     check = torch.empty_like(out)
-    mean_of_fields_(out, wire_levels, scales, 2, BIAS)
-    levels_interleaved(check, old_levels, scales)
-    assert torch.equal(out, check), "the interleaved levels' mean differs from the wire's"
-    mean_of_summed_fields_(out, wire_ternary, shared, 4, 1)
-    ternary_interleaved(check, old_ternary, shared)
-    assert torch.equal(out, check), "the interleaved ternary mean differs from the wire's"
-    mean_of_signs_(out, wire_signs, magnitudes)
-    signs_interleaved(check, old_signs, magnitudes, table)
-    assert torch.equal(out, check), "the interleaved signs' mean differs from the wire's"
+    mean_of_fields_(out, levels["words"], scales, 2, BIAS)
+    levels_bytes(check, levels["bytes"], scales)
+    assert torch.equal(out, check), "the planar-byte levels' mean differs from the wire's"
+    mean_of_summed_fields_(out, codes["words"], shared, 4, 1)
+    ternary_bytes(check, codes["bytes"], shared)
+    assert torch.equal(out, check), "the planar-byte ternary mean differs from the wire's"
+    mean_of_signs_(out, signs["words"], magnitudes)
+    signs_bytes(check, signs["bytes"], magnitudes)
+    assert torch.equal(out, check), "the planar-byte signs' mean differs from the wire's"
+    subtract_signs_(out, signed[1], signs["words"][0], magnitudes[0])
+    residual_bytes(check, signed[1], signs["bytes"][0], magnitudes[0])
+    assert torch.equal(out, check), "the planar-byte residual differs from the wire's"
+    assert torch.equal(encode_bytes(signed[0])[1], signs["bytes"][0]), "the planar-byte sign encoder differs"
 
     gradient = torch.randn(LAYER, generator=generator).to(device)
     multipliers = 7 / gradient.view(-1, BLOCK).norm(dim=1)
     block = CounterStream(3, device).block(LAYER)
-    draw_interleaved = torch.compile(interleaved_draw, dynamic=False, fullgraph=True)
-    wire = fields_of_rows(draw_packed_codes(gradient, multipliers, block, None, 0, BLOCK, True, BIAS, 2, 0), 2, STRIPE)
-    old = interleaved_fields(draw_interleaved(gradient, multipliers, block), 2, BLOCK).reshape(-1)
-    assert torch.equal(wire.reshape(-1), old), "the interleaved draw differs"
+    drawn = draw_packed_codes(gradient, multipliers, block, None, 0, BLOCK, True, BIAS, 2, 0).view(torch.uint8)
+    wire = fields_of_rows(drawn, 2, STRIPE).reshape(-1)
+    old = byte_fields(draw_bytes(gradient, multipliers, block), 2).reshape(-1)
+    assert torch.equal(wire, old), "the planar-byte draw differs"
 
+    repeats = args.repeats
     rows = {
-        "floor: a compiled fill of the layer": best_ms(lambda: fill(floor_out, magnitudes[0]), args.repeats, device),
-        "4-bit levels, mean of 2 ranks, interleaved prototype (the wire before)": best_ms(
-            lambda: levels_interleaved(out, old_levels, scales), args.repeats, device
+        "floor: a compiled copy of the layer": best_ms(lambda: copy(out, signed[0]), repeats, device),
+        "4-bit levels, mean of 2 ranks, planar bytes (the wire before)": best_ms(
+            lambda: levels_bytes(out, levels["bytes"], scales), repeats, device
         ),
-        "4-bit levels, mean of 2 ranks, wire (planar rows)": best_ms(
-            lambda: mean_of_fields_(out, wire_levels, scales, 2, BIAS), args.repeats, device
+        "4-bit levels, mean of 2 ranks, planar words (the wire)": best_ms(
+            lambda: mean_of_fields_(out, levels["words"], scales, 2, BIAS), repeats, device
         ),
-        "ternary codes, mean of 2 ranks, interleaved prototype (the wire before)": best_ms(
-            lambda: ternary_interleaved(out, old_ternary, shared), args.repeats, device
+        "ternary codes, mean of 2 ranks, planar bytes (the wire before)": best_ms(
+            lambda: ternary_bytes(out, codes["bytes"], shared), repeats, device
         ),
-        "ternary codes, mean of 2 ranks, wire (planar rows)": best_ms(
-            lambda: mean_of_summed_fields_(out, wire_ternary, shared, 4, 1), args.repeats, device
+        "ternary codes, mean of 2 ranks, planar words (the wire)": best_ms(
+            lambda: mean_of_summed_fields_(out, codes["words"], shared, 4, 1), repeats, device
         ),
-        "scaled signs, mean of 2 ranks, interleaved prototype (the wire before)": best_ms(
-            lambda: signs_interleaved(out, old_signs, magnitudes, table), args.repeats, device
+        "scaled signs, mean of 2 ranks, planar bytes (the wire before)": best_ms(
+            lambda: signs_bytes(out, signs["bytes"], magnitudes), repeats, device
         ),
-        "scaled signs, mean of 2 ranks, wire (planar rows)": best_ms(
-            lambda: mean_of_signs_(out, wire_signs, magnitudes), args.repeats, device
+        "scaled signs, mean of 2 ranks, planar words (the wire)": best_ms(
+            lambda: mean_of_signs_(out, signs["words"], magnitudes), repeats, device
         ),
-        "4-bit levels drawn and packed, interleaved prototype (the wire before)": best_ms(
-            lambda: draw_interleaved(gradient, multipliers, block), args.repeats, device
+        "EF-sign's residual, planar bytes (the wire before)": best_ms(
+            lambda: residual_bytes(out, signed[1], signs["bytes"][0], magnitudes[0]), repeats, device
         ),
-        "4-bit levels drawn and packed, wire (planar rows)": best_ms(
-            lambda: draw_packed_codes(gradient, multipliers, block, None, 0, BLOCK, True, BIAS, 2, 0),
-            args.repeats,
-            device,
+        "EF-sign's residual, planar words (the wire)": best_ms(
+            lambda: subtract_signs_(out, signed[1], signs["words"][0], magnitudes[0]), repeats, device
+        ),
+        "signs encoded with their magnitude, planar bytes (the wire before)": best_ms(
+            lambda: encode_bytes(signed[0]), repeats, device
+        ),
+        "signs encoded with their magnitude, planar words (the wire)": best_ms(
+            lambda: encode_signs(signed[0], False), repeats, device
+        ),
+        "4-bit levels drawn and packed, planar bytes (the wire before)": best_ms(
+            lambda: draw_bytes(gradient, multipliers, block), repeats, device
+        ),
+        "4-bit levels drawn and packed, planar words (the wire)": best_ms(
+            lambda: draw_packed_codes(gradient, multipliers, block, None, 0, BLOCK, True, BIAS, 2, 0), repeats, device
         ),
     }
-    where = "one CPU thread" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"{LAYER} elements, {where}, torch {torch.__version__}, best of {args.repeats} (ms)")
+    machine = describe(device.type)
+    print(f"{LAYER} elements, one thread of {machine['device']}, torch {torch.__version__}, best of {repeats} (ms)")
     for what, ms in rows.items():
         print(f"{what}: {ms:.2f}")
     if args.json:
-        machine = {"device": where, "torch": torch.__version__, "machine": platform.machine()}
-        args.json.write_text(json.dumps({"elements": LAYER, **machine, "ms": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"elements": LAYER, "machine": machine, "ms": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

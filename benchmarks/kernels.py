@@ -26,13 +26,10 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 * the entries at 250,000 ascending int32 positions of the 25M-element tensor (Top-k's values): ``x[positions]``
   against ``index_select``;
 * a gTop-k merge's scatter of 500,000 entries to int64 positions: ``index_put_`` against ``index_copy_``;
-* TernGrad's codes of a layer (one scaler) drawn and packed by the compiled kernel: into a tensor of its own, then
-  copied into the kept wire buffer (what the codec does), against stored in that buffer by the kernel itself (a
-  mutated input: inductor writes the fields as int32 first and converts them in a second loop);
 * what a compiled CPU loop pays to read integers (the CPU's vector extension is named in the output): a layer's
   int32 copied by a compiled kernel against the same bytes as float32; sign bits 32 to an int32 word decoded to
   ``+-s`` by a compiled kernel that loads the words as int32 against one that loads them as float32 and
-  reinterprets them; and the compiled mean of two ranks' planar sign bytes (``mean_of_signs_``) against a copy of
+  reinterprets them; and the compiled mean of two ranks' planar sign words (``mean_of_signs_``) against a copy of
   its output;
 
 and alone: Elias-Fano's encoding and decoding of 250,000 indices, gTop-k's merge of two such sets, and
@@ -47,7 +44,7 @@ import torch
 from timing import best_ms, kernel_device, kernel_parser
 
 from lightning_gradcomp.core.comm.gtopk import SparseSet, merge
-from lightning_gradcomp.core.compressors import blocks, kernels, qsgd
+from lightning_gradcomp.core.compressors import blocks, qsgd
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks, streamed_above
@@ -61,13 +58,12 @@ from lightning_gradcomp.core.compressors.indices import (
     unpack_words,
 )
 from lightning_gradcomp.core.compressors.kernels import (
-    draw_packed_codes,
     encode_signs,
     mean_of_signs_,
 )
 from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
-from lightning_gradcomp.core.compressors.ternary import TERNARY_PACKING, stochastic_levels
+from lightning_gradcomp.core.compressors.ternary import stochastic_levels
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, kth_smallest
 from lightning_gradcomp.core.randomness import CounterStream
 
@@ -171,7 +167,6 @@ def main() -> None:
         ),
     ]
     levels = torch.randint(-7, 8, (LAYER,), dtype=torch.int8, generator=generator).to(device)
-    gradient_f = torch.randn(LAYER, generator=generator).to(device)
     pairs.append(
         (
             f"QSGD's 4-bit levels packed, {LAYER} of them",
@@ -197,16 +192,6 @@ def main() -> None:
             ("index_copy_", lambda: moved.index_copy_(0, order, places)),
         )
     )
-    code_args = (torch.tensor([900.0], device=device), CounterStream(3, device).block(LAYER), None, 0, LAYER, False)
-    wire = torch.empty(LAYER // 4 + 16, dtype=torch.uint8, device=device)[16:]  # behind a header, as it travels
-    planar = (TERNARY_PACKING.bias, TERNARY_PACKING.per_byte, TERNARY_PACKING.pad)
-    pairs.append(
-        (
-            f"TernGrad's codes of {LAYER} entries drawn and packed, compiled",
-            ("a tensor, copied into the wire", lambda: wire.copy_(draw_packed_codes(gradient_f, *code_args, *planar))),
-            ("stored in the wire by the kernel", lambda: stored_in_wire(wire, gradient_f, *code_args, *planar)),
-        )
-    )
     if device.type == "cpu":
         pairs += integer_load_pairs(generator)
     indices = torch.randperm(args.numel, generator=generator)[:250_000].sort().values.to(device)
@@ -229,16 +214,6 @@ def main() -> None:
         print(f"{what}: {slow_name} {slow_ms:.2f}, {fast_name} {fast_ms:.2f} ({slow_ms / fast_ms:.1f}x)")
     for what, fn in singles:
         print(f"{what}: {best_ms(fn, args.repeats, device):.2f}")
-
-
-@torch.compile(dynamic=False, fullgraph=True)
-def stored_in_wire(out: torch.Tensor, *arguments: object) -> None:
-    """``draw_packed_codes`` of ``arguments`` stored into ``out`` (a region of the wire) by the compiled kernel, piece
-    by piece, as the codec once did."""
-    at = 0
-    for part in kernels._packed_parts(*arguments):
-        out[at : at + part.numel()].copy_(part)
-        at += part.numel()
 
 
 #: Words of a row in :func:`word_signs`: 32 planes of 128 words, as many signs as a planar row of bytes holds.
@@ -271,7 +246,7 @@ def integer_load_pairs(generator: torch.Generator) -> list:
     signs_out = torch.empty(LAYER)
     scale = torch.tensor(0.5)
     flats = [torch.randn(LAYER, generator=generator) for _ in range(2)]
-    bits = [encode_signs(flat, False)[1] for flat in flats]
+    bits = [encode_signs(flat, False)[1].view(torch.uint8) for flat in flats]
     scales = [torch.tensor(0.7), torch.tensor(0.3)]
     return [
         (
@@ -291,7 +266,7 @@ def integer_load_pairs(generator: torch.Generator) -> list:
             ),
         ),
         (
-            f"the mean of two ranks' planar sign bytes of {LAYER}, compiled",
+            f"the mean of two ranks' planar sign words of {LAYER}, compiled",
             ("mean_of_signs_", lambda: mean_of_signs_(signs_out, bits, scales)),
             ("a copy of its output's size", lambda: signs_out.copy_(flats[0])),
         ),

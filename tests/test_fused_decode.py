@@ -75,7 +75,7 @@ def test_the_compiled_mean_of_qsgd_levels_is_the_eager_zero_add_divide_bit_for_b
 
 def test_the_compiled_mean_of_scaled_signs_is_the_eager_one_bit_for_bit(mode: object) -> None:
     compressor = ScaledSignCompressor()
-    numel = 2 * SIGN_ROW + 8 * 99 + 5  # two whole planar rows, compiled; a partial last row and byte, eagerly
+    numel = 2 * SIGN_ROW + 32 * 99 + 5  # two whole planar rows, compiled; a partial last row and word, eagerly
     mode("eager")
     payloads = _payloads(compressor, 3, numel)
     calls = mean_of_signs_.compiled_calls
@@ -102,10 +102,10 @@ def test_a_compiled_payload_added_into_a_state_is_the_eager_chunks_within_one_ro
     bound = 2 * U * ((0.3 * dense).abs() + eager.abs())
     assert bool(((compiled - eager).abs() <= bound).all()) and not torch.equal(compiled, base)
     assert add_fields_.compiled_calls == calls + 2
-    # a parameter's slice runs compiled over the whole planar rows inside it (of 2048 ternary codes, 1024 levels),
+    # a parameter's slice runs compiled over the whole planar rows inside it (of 8192 ternary codes, 4096 levels),
     # eagerly at its ends: the same sums; a slice holding no whole row, eagerly throughout
     mode("compiled")
-    for first, count, compiled_calls in [(512, 4096, 3), (7, 4096, 4), (7, 1000, 4), (2048, 1000, 4)]:
+    for first, count, compiled_calls in [(512, 16384, 3), (7, 16384, 4), (7, 1000, 4), (8192, 1000, 4)]:
         part = payload.entries().split([first, count, NUMEL - first - count])[1]
         expected = base[first : first + count] + dense[first : first + count]
         assert torch.equal(part.add_to_(base[first : first + count].clone()), expected), (first, count)
@@ -222,10 +222,10 @@ def test_a_rank_whose_scaler_is_not_finite_makes_the_shared_scaler_mean_not_fini
     assert torch.equal(healthy, compressor.accumulate_all([received[0], received[0]], torch.zeros(NUMEL)) / 2)
 
 
-@pytest.mark.parametrize("first", [0, SIGN_ROW, 8, 3])  # a parameter starting on a row edge, or inside a row (eager)
+@pytest.mark.parametrize("first", [0, SIGN_ROW, 32, 3])  # a parameter starting on a row edge, or inside a row (eager)
 def test_ef_signs_compiled_residual_is_the_eager_copy_then_add_bit_for_bit(mode: object, first: int) -> None:
     compressor = ScaledSignCompressor()
-    numel = 2 * SIGN_ROW + 8 * 99 + 5
+    numel = 2 * SIGN_ROW + 32 * 99 + 5
     compensated = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     mode("eager")
     payload = compressor.compress(torch.randn(numel + first, generator=torch.Generator().manual_seed(4)))

@@ -1,7 +1,7 @@
-"""The planar rows of small codes (ternary codes, QSGD's 4-bit levels): the byte and field of every code as the layout
-defines them, ranges read back from inside rows and the last, partial row, tied draws stepped into their fields, and
-the compiled draws and decodes equal to the eager ones for blocks shorter than a stripe, as long as one, longer than a
-row, and not lined up with the rows at all."""
+"""The planar rows of small codes in 32-bit words (ternary codes, QSGD's 4-bit and 8-bit levels): the word and field
+of every code as the layout defines them, ranges read back from inside rows and the last, partial row, tied draws
+stepped into their fields, and the compiled draws and decodes equal to the eager ones for blocks shorter than a
+stripe, as long as one, longer than a row, and not lined up with the rows at all."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from lightning_gradcomp.core.compressors.planar import (
     field_positions,
     pack_codes,
     planar_nbytes,
+    row_codes,
     unpack_codes,
 )
 from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
@@ -23,6 +24,16 @@ from lightning_gradcomp.core.compressors.ternary import CodePacking, _counter_co
 from lightning_gradcomp.core.fused import set_codec_mode
 from lightning_gradcomp.core.randomness import CounterStream
 
+#: (numel, block_size) against a ternary row of 8192 codes (two rows of 4-bit levels): blocks shorter than a stripe,
+#: a stripe, two rows, not lining up with the stripes, a row, three stripes (a row is not a whole number of them).
+ROW_SIZED_CASES = [
+    (2 * 8192 + 809, 256),
+    (3 * 8192 + 5, 512),
+    (3 * 8192 + 809, 16384),
+    (7000, 1000),
+    (2 * 8192 + 700, 8192),
+    (2 * 8192 + 809, 1536),
+]
 #: (per_byte, bias, pad): ternary codes, 4-bit levels, 8-bit levels.
 LAYOUTS = [(4, 1, 1), (2, 7, 0), (1, 20, 0)]
 
@@ -34,17 +45,17 @@ def mode() -> object:
 
 
 def _reference_places(numel: int, per_byte: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte and field of each code, from the layout's definition: code ``b + k * STRIPE`` of a whole row in field
-    ``k`` of the row's byte ``b``; the last row of ``m`` codes in stripes of ``ceil(m / per_byte)``."""
-    row = per_byte * STRIPE
+    """Word and field of each code, from the layout's definition: code ``v + k * STRIPE`` of a whole row in field
+    ``k`` of the row's word ``v``; the last row of ``m`` codes in stripes of ``ceil(m / (4 per_byte))`` words."""
+    row = 4 * per_byte * STRIPE
     whole = numel // row * row
-    stripe = max(1, -(-(numel - whole) // per_byte))
+    stripe = max(1, -(-(numel - whole) // (4 * per_byte)))
     j = torch.arange(numel)
     in_tail = j >= whole
     offset = torch.where(in_tail, j - whole, j % row)
     plane = torch.where(in_tail, stripe, STRIPE)
-    byte = torch.where(in_tail, whole // per_byte, j // row * STRIPE) + offset % plane
-    return byte, offset // plane
+    word = torch.where(in_tail, whole // (4 * per_byte), j // row * STRIPE) + offset % plane
+    return word, offset // plane
 
 
 def _codes(numel: int, per_byte: int, seed: int) -> torch.Tensor:
@@ -53,38 +64,41 @@ def _codes(numel: int, per_byte: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("per_byte", "bias", "pad"), LAYOUTS, ids=["2-bit", "4-bit", "8-bit"])
-@pytest.mark.parametrize("numel", [1, 5, 511, 1024, 2047, 2048, 2049, 3 * 2048 + 1001])
-def test_every_code_lies_in_the_byte_and_field_the_layout_defines(
+@pytest.mark.parametrize("numel", [1, 5, 511, 2048, 4095, 4096, 4097, 8191, 8192, 8193, 3 * 8192 + 1001])
+def test_every_code_lies_in_the_word_and_field_the_layout_defines(
     per_byte: int, bias: int, pad: int, numel: int
 ) -> None:
     codes = _codes(numel, per_byte, numel)
     packed = pack_codes(codes, per_byte, bias, pad)
-    assert packed.numel() == planar_nbytes(numel, per_byte) == -(-numel // per_byte)
-    byte, field = _reference_places(numel, per_byte)
-    width = 8 // per_byte
-    expected = torch.full((packed.numel(), per_byte), pad, dtype=torch.int64)
-    expected[byte, field] = codes.to(torch.int64) + bias
-    weights = 1 << (width * torch.arange(per_byte))
-    assert torch.equal(packed.to(torch.int64), (expected * weights).sum(1))
+    assert packed.numel() == planar_nbytes(numel, per_byte) == 4 * -(-numel // (4 * per_byte))
+    word, field = _reference_places(numel, per_byte)
+    width, per_word = 8 // per_byte, 4 * per_byte
+    expected = torch.full((packed.numel() // 4, per_word), pad, dtype=torch.int64)
+    expected[word, field] = codes.to(torch.int64) + bias
+    words = (expected << (width * torch.arange(per_word))).sum(1)  # little-endian: byte i holds bits 8i .. 8i + 7
+    assert torch.equal(packed.view(-1, 4).to(torch.int64), (words[:, None] >> (8 * torch.arange(4))) & 255)
     found_byte, shift = field_positions(torch.arange(numel), numel, per_byte)
-    assert torch.equal(found_byte, byte) and torch.equal(shift, (field * width).to(torch.int32))
+    bit = field * width
+    assert torch.equal(found_byte, 4 * word + bit // 8) and torch.equal(shift, (bit % 8).to(torch.int32))
 
 
 @pytest.mark.parametrize(("per_byte", "bias", "pad"), LAYOUTS, ids=["2-bit", "4-bit", "8-bit"])
 def test_any_range_reads_back_from_inside_rows_and_the_last_row(per_byte: int, bias: int, pad: int) -> None:
-    numel = 5 * 2048 + 777
+    row = row_codes(per_byte)
+    numel = 5 * row + 777
     codes = _codes(numel, per_byte, 3)
     packed = pack_codes(codes, per_byte, bias, pad)
-    for start, count in [(0, numel), (1, 1), (511, 3), (1023, 2050), (2048, 2048), (numel - 900, 900), (numel - 1, 1)]:
+    ranges = [(0, numel), (1, 1), (511, 3), (row // 2 - 1, row + 2), (row, row), (numel - 900, 900), (numel - 1, 1)]
+    for start, count in ranges:
         assert torch.equal(unpack_codes(packed, numel, start, count, per_byte, bias), codes[start : start + count])
 
 
 def test_steps_added_in_place_move_only_their_own_fields() -> None:
-    numel = 2048 + 13
+    numel = 8192 + 13
     packing = CodePacking(4, bias=1, pad=1)
     codes = torch.zeros(numel, dtype=torch.int8)
-    positions = torch.tensor([0, 1, 512, 1536, 2047, 2048, 2050, numel - 1])
-    steps = torch.tensor([1, -1, 1, -1, 1, -1, 1, -1], dtype=torch.int8)
+    positions = torch.tensor([0, 1, 512, 1536, 2047, 8191, 8192, 8194, numel - 1])
+    steps = torch.tensor([1, -1, 1, -1, 1, -1, 1, -1, 1], dtype=torch.int8)
     packed = packing.step_(packing.pack(codes), numel, positions, steps)
     codes[positions] += steps
     assert torch.equal(packing.unpack(packed, numel, 0, numel), codes)
@@ -92,7 +106,7 @@ def test_steps_added_in_place_move_only_their_own_fields() -> None:
 
 @pytest.mark.parametrize(
     ("numel", "block_size"),
-    [(9000, 256), (3 * 2048 + 5, 512), (9000, 4096), (7000, 1000), (2 * 2048 + 700, 2048), (9000, 1536)],
+    ROW_SIZED_CASES,
     ids=["short-blocks", "stripe-blocks", "long-blocks", "unaligned-blocks", "row-blocks", "stripes-not-rows"],
 )
 @pytest.mark.parametrize("levels", [False, True], ids=["ternary", "levels"])

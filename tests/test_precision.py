@@ -197,9 +197,10 @@ def test_on_real_ranks_half_wires_keep_error_feedback_exact(world_size: int) -> 
         # (the biases, 50 floats, are all-reduced densely in float32)
         topk = 3 * 8 + (8 + 360 + 13) + (10 + 460 + 16) * 2
         assert r["topk"]["payload_bytes"][1:] == [topk] * 5
-        # the same entries with 2-bit values: the indices without a count, the codes four to a byte (3, 115, 4) and
-        # two float32 levels per block of 256 entries (1, 2, 1 blocks); every sent value is one of its block's levels
-        twobit = (5 + 3 + 3 + 8) + (360 + 115 + 16) + (13 + 4 + 8)
+        # the same entries with 2-bit values: the indices without a count, the codes sixteen to a 32-bit word (4, 116,
+        # 4 bytes) and two float32 levels per block of 256 entries (1, 2, 1 blocks); every sent value is one of its
+        # block's levels
+        twobit = (5 + 3 + 4 + 8) + (360 + 116 + 16) + (13 + 4 + 8)
         assert r["twobit"]["payload_bytes"][1:] == [twobit] * 5
         assert r["twobit"]["by_dtype"][1:] == [{"uint8": twobit, "float32": 4 * 50}] * 5
         for e in r["twobit"]["log"]:

@@ -59,7 +59,7 @@ def test_one_level_bound_is_exact_and_more_levels_shrink_it() -> None:
     assert QSGDCompressor(7, 512).omega(10**6) == QSGDCompressor(7, 512).omega(512)  # blocks bound it
 
 
-@pytest.mark.parametrize(("levels", "numel", "code_bytes"), [(7, 1301, 651), (1, 8, 4), (8, 1301, 1301), (127, 5, 5)])
+@pytest.mark.parametrize(("levels", "numel", "code_bytes"), [(7, 1301, 652), (1, 8, 4), (8, 1301, 1304), (127, 5, 8)])
 def test_wire_is_a_norm_per_block_and_fixed_width_levels(levels: int, numel: int, code_bytes: int) -> None:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     compressor = QSGDCompressor(levels, block_size=512)
@@ -173,19 +173,19 @@ def test_a_slice_is_finite_when_the_norms_of_its_own_blocks_are() -> None:
     assert first.all_finite() and not last.all_finite() and not payload.entries().all_finite()
 
 
-@pytest.mark.parametrize("numel", [1, 2, 1001, 1024, 2**20 + 3])
+@pytest.mark.parametrize("numel", [1, 2, 1001, 4096, 4097, 2**20 + 3])
 def test_levels_unpack_from_any_range_of_their_planar_rows(numel: int) -> None:
-    # 4-bit levels in planar rows of 1024: ranges from inside a row, across rows and into the last, partial row
+    # 4-bit levels in planar rows of 4096: ranges from inside a row, across rows and into the last, partial row
     codes = torch.randint(-7, 8, (numel,), dtype=torch.int8, generator=torch.Generator().manual_seed(numel))
     packed = qsgd_module.pack_levels(codes, 7)
-    assert packed.numel() == -(-numel // 2)
+    assert packed.numel() == 4 * -(-numel // 8)
     assert torch.equal(qsgd_module.unpack_levels(packed, numel, 7), codes)
     for start, count in [(0, numel), (numel // 3, numel - numel // 3), (1, numel - 1), (numel - 1, 1)]:
         got = qsgd_module.unpack_level_range(packed, numel, start, count, 7)
         assert torch.equal(got, codes[start : start + count]), (start, count)
-    if numel >= 1024:  # level 512 k + b of a row in field k (the high nibble for k = 1) of byte b
-        row = codes[:1024].to(torch.int32) + 7
-        assert torch.equal(packed[:512].to(torch.int32), row[:512] | row[512:] << 4)
+    if numel >= 4096:  # level 512 k + v of a row in field k of word v: byte j's low nibble field 2j, its high 2j + 1
+        planes = (codes[:4096].to(torch.int32) + 7).view(4, 2, 512)
+        assert torch.equal(packed[:2048].view(512, 4).T.to(torch.int32), planes[:, 0] | planes[:, 1] << 4)
 
 
 @pytest.mark.parametrize("levels", [7, 20])

@@ -20,25 +20,25 @@ from lightning_gradcomp.core.memory import ErrorFeedback
 
 
 def planar_reference(bits: torch.Tensor) -> torch.Tensor:
-    """The wire's sign bytes from the layout's definition, element by element: sign ``j`` of a whole row ``r`` at byte
-    ``r * 512 + j % 512``, bit ``(j % 4096) // 512``; in the last, partial row of ``m`` signs, stripes of
-    ``ceil(m / 8)``."""
+    """The wire's sign bytes from the layout's definition, element by element: sign ``j`` of a whole row ``r`` at word
+    ``r * 512 + j % 512``, bit ``(j % 16384) // 512``; in the last, partial row of ``m`` signs, stripes of
+    ``ceil(m / 32)`` words; each word little-endian."""
     numel = bits.numel()
     whole = numel // SIGN_ROW * SIGN_ROW
     j = torch.arange(numel)
     in_tail = j >= whole
-    stripe = torch.where(in_tail, -(-(numel - whole) // 8), SIGN_STRIPE)
+    stripe = torch.where(in_tail, -(-(numel - whole) // 32), SIGN_STRIPE)
     offset = torch.where(in_tail, j - whole, j % SIGN_ROW)
-    byte = torch.where(in_tail, whole // 8, j // SIGN_ROW * SIGN_STRIPE) + offset % stripe
-    words = torch.zeros(-(-numel // 8), dtype=torch.long).index_add_(0, byte, bits.long() << (offset // stripe))
-    return words.to(torch.uint8)
+    word = torch.where(in_tail, whole // 32, j // SIGN_ROW * SIGN_STRIPE) + offset % stripe
+    words = torch.zeros(-(-numel // 32), dtype=torch.long).index_add_(0, word, bits.long() << (offset // stripe))
+    return ((words[:, None] >> (8 * torch.arange(4))) & 255).to(torch.uint8).reshape(-1)
 
 
-@pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1001, SIGN_ROW, SIGN_ROW + 1, 3 * SIGN_ROW + 999])
-def test_signs_pack_eight_per_byte_in_planar_rows_and_come_back(numel: int) -> None:
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 31, 32, 33, 1001, SIGN_ROW, SIGN_ROW + 1, 3 * SIGN_ROW + 999])
+def test_signs_pack_thirty_two_per_word_in_planar_rows_and_come_back(numel: int) -> None:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     packed = pack_signs(x)
-    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(numel / 8)
+    assert packed.dtype == torch.uint8 and packed.numel() == 4 * math.ceil(numel / 32)
     assert torch.equal(packed, planar_reference(x >= 0))
     signs = torch.where(x >= 0, 1.0, -1.0)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
@@ -76,11 +76,11 @@ def test_wire_is_a_scale_and_one_bit_per_element() -> None:
     compressor = ScaledSignCompressor()
     payload = compressor.compress(x)
     wire = payload.to_bytes()
-    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, x.dtype) == 4 + 126
+    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, x.dtype) == 4 + 128  # 32 words
     back = compressor.unpack(wire, x.shape, x.dtype)
     assert isinstance(back, SignPayload)
     assert torch.equal(compressor.decompress(back), compressor.decompress(payload))
-    with pytest.raises(ValueError, match="sign payload of 129 bytes, expected 130"):
+    with pytest.raises(ValueError, match="sign payload of 131 bytes, expected 132"):
         compressor.unpack(wire[:-1], x.shape, x.dtype)
 
 
@@ -128,7 +128,7 @@ def test_on_real_ranks_error_feedback_is_exact_and_ranks_agree(world_size: int) 
             assert torch.equal(e["new"], e["acc"] - e["sent"])  # residual = what was not sent, exactly
             assert e["sent"].abs().unique().numel() == 1  # one magnitude: the scale
         for s in r["history"][1:]:
-            # compressed payloads: 4 + 2048/8 and 4 + 256/8 bytes for the weights (fp32: 9,216 bytes)
+            # compressed payloads: 4 + 2048/8 and 4 + 256/8 bytes (whole words) for the weights (fp32: 9,216 bytes)
             assert s.payload_bytes == (4 + 256) + (4 + 32)
     for r in results[1:]:
         for name, value in r["weights"].items():

@@ -78,7 +78,7 @@ def test_pack_unpack_round_trip_for_every_length(numel: int) -> None:
         torch.zeros(numel, dtype=torch.int8),
     ):
         packed = pack_2bit(codes)
-        assert packed.dtype == torch.uint8 and packed.shape == (math.ceil(numel / 4),) == (packed_nbytes(numel),)
+        assert packed.dtype == torch.uint8 and packed.shape == (4 * math.ceil(numel / 16),) == (packed_nbytes(numel),)
         assert torch.equal(unpack_2bit(packed, numel), codes)
 
 
@@ -92,22 +92,27 @@ def test_pack_reads_any_shape_in_flat_order_including_0_dim() -> None:
 
 
 def test_pack_byte_layout_is_fixed() -> None:
-    # code c is stored as c + 1; five codes are one partial planar row of two-byte stripes: field k (bits 2k, 2k+1)
-    # of byte b holds code b + 2k, and the three fields past the end hold code 0 (bits 01)
+    # code c is stored as c + 1; five codes are one partial planar row of one-word stripes: field k (bits 2k, 2k+1)
+    # of the little-endian word holds code k, and the eleven fields past the end hold code 0 (bits 01)
     codes = torch.tensor([1, 0, -1, 1, -1], dtype=torch.int8)
-    assert pack_2bit(codes).tolist() == [2 | 0 << 2 | 0 << 4 | 1 << 6, 1 | 2 << 2 | 1 << 4 | 1 << 6]
-    # a whole row of 2048 codes in 512 bytes: code 512 k + b in field k of byte b
-    row = torch.zeros(2048, dtype=torch.int8)
+    assert pack_2bit(codes).tolist() == [
+        2 | 1 << 2 | 0 << 4 | 2 << 6,
+        0 | 1 << 2 | 1 << 4 | 1 << 6,
+        0b01010101,
+        0b01010101,
+    ]
+    # a whole row of 8192 codes in 512 words: code 512 k + v in field k of word v, byte k // 4 of the word
+    row = torch.zeros(8192, dtype=torch.int8)
     row[3], row[512 + 3], row[1536 + 3] = 1, -1, 1
     packed = pack_2bit(row)
-    assert packed.numel() == 512 and packed[3].item() == 2 | 0 << 2 | 1 << 4 | 2 << 6
-    assert (packed[torch.arange(512) != 3] == 0b01010101).all()
+    assert packed.numel() == 2048 and packed[4 * 3].item() == 2 | 0 << 2 | 1 << 4 | 2 << 6
+    assert (packed[torch.arange(2048) != 4 * 3] == 0b01010101).all()
 
 
 def test_pack_and_unpack_reject_wrong_inputs() -> None:
     with pytest.raises(ValueError, match="int8"):
         pack_2bit(torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="take 2 bytes"):
+    with pytest.raises(ValueError, match="take 4 bytes"):
         unpack_2bit(torch.zeros(3, dtype=torch.uint8), 5)
     with pytest.raises(ValueError, match="uint8"):
         unpack_2bit(torch.zeros(2, dtype=torch.int8), 5)
@@ -264,7 +269,7 @@ def test_wire_round_trip_and_fixed_size(dtype: torch.dtype, shape: tuple[int, ..
     wire = payload.to_bytes()
     numel = x.numel()
     assert wire.dtype == torch.uint8
-    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, dtype) == math.ceil(numel / 4) + 4
+    assert wire.numel() == payload.nbytes == compressor.payload_nbytes(x.shape, dtype) == 4 * math.ceil(numel / 16) + 4
     shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), wire])[3:]  # misaligned fp32 scaler
     back = compressor.unpack(shifted, x.shape, dtype)
     assert torch.equal(back.codes, payload.codes) and torch.equal(back.scales, payload.scales)
@@ -470,7 +475,7 @@ def test_allgather_and_allreduce_give_bit_identical_averages(two_paths: tuple[in
 def test_compressed_layers_cost_a_sixteenth_of_dense_bytes(two_paths: tuple[int, list[dict]]) -> None:
     _, results = two_paths
     dense = sum(4 * math.prod(shape) for shape, _ in LAYERS)  # what fp32 DDP would allreduce
-    payloads = sum(math.ceil(math.prod(shape) / 4) + 4 for shape, _ in LAYERS)
+    payloads = sum(4 * math.ceil(math.prod(shape) / 16) + 4 for shape, _ in LAYERS)
     for r in results:
         assert r["scale_calls"] == 1
         calls, sent = r["gathered_counts"]

@@ -88,7 +88,7 @@ class FusedKernel:
             config = torch._dynamo.config
             limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
             setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
-            self._compiled = torch.compile(self.function, dynamic=False, fullgraph=True)
+            self._compiled = torch.compile(self.function, dynamic=False, fullgraph=True, options=_inductor_options())
         result = self._compiled(*args)
         self.compiled_calls += 1
         return result
@@ -126,6 +126,22 @@ class FusedKernel:
                 stacklevel=2,
             )
             return self.function(*args)
+
+
+#: Operations a fused expression may hold before inductor writes it out as a buffer of its own (its defaults: 50 on the
+#: CPU, 30 on GPUs). A codec's draw is one long expression per element (a hash, the decision, the packing): under
+#: the default, QSGD's 4-bit draw with a multiplier per block wrote its decisions as three bool planes of the layer's
+#: size and read them back in a second loop: 721.6 ms a 4096 x 4096 layer on one AMD EPYC thread, 39.5 fused
+#: (``benchmarks/field_layout.py``).
+INLINED_OPERATIONS = 1000
+
+
+def _inductor_options() -> dict[str, int]:
+    """The inductor settings the codec kernels compile with: :data:`INLINED_OPERATIONS` where this torch has them."""
+    from torch._inductor import config
+
+    names = ("realize_cpu_opcount_threshold", "realize_opcount_threshold")
+    return {name: INLINED_OPERATIONS for name in names if hasattr(config, name)}
 
 
 def _is_recompile_limit(error: BaseException) -> bool:

@@ -13,7 +13,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.planar import STRIPE, fields_of_rows, pack_fields, pack_rows, row_split
+from lightning_gradcomp.core.compressors.planar import (
+    STRIPE,
+    WORD,
+    fields_of_rows,
+    pack_fields,
+    pack_rows,
+    row_codes,
+    row_split,
+)
 from lightning_gradcomp.core.fused import fused
 from lightning_gradcomp.core.randomness import hash_at, hash_counters
 
@@ -117,11 +125,11 @@ def draw_codes(
 
 
 def aligned_blocks(block_size: int, per_byte: int) -> bool:
-    """Whether blocks of ``block_size`` line up with the planar rows of ``per_byte * STRIPE`` codes (one holds the
-    other a whole number of times; rows are powers of two, so a block within a row also lies within a stripe or holds
-    whole ones): then each stripe of a row, or each block within one, has one multiplier, and the compiled kernels
-    draw and decode rows as whole vectors."""
-    row = per_byte * STRIPE
+    """Whether blocks of ``block_size`` line up with the planar rows of ``4 * per_byte * STRIPE`` codes (one holds
+    the other a whole number of times; rows are powers of two, so a block within a row also lies within a stripe or
+    holds whole ones): then each stripe of a row, or each block within one, has one multiplier, and the compiled
+    kernels draw and decode rows as whole vectors."""
+    row = row_codes(per_byte)
     return block_size % row == 0 or row % block_size == 0
 
 
@@ -136,36 +144,32 @@ def _draw_rows(
     bias: int,
     per_byte: int,
 ) -> Tensor:
-    """The planar bytes of ``g``, whole rows (and whole blocks where there are several, aligned:
-    :func:`aligned_blocks`): each field plane of each row is drawn as one strided column, element
-    ``r * per_byte * STRIPE + k * STRIPE + b`` with the bits of its own counter (:func:`hash_at`), so that a byte's
-    fields are drawn side by side in one loop over the bytes."""
-    rows, width = g.numel() // (per_byte * STRIPE), 8 // per_byte
-    columns = g.view(rows, per_byte, STRIPE)
-    index = torch.arange(STRIPE, dtype=torch.int32, device=g.device)
-    offsets = per_byte * STRIPE * torch.arange(rows, dtype=torch.int32, device=g.device)[:, None] + index
-    if multipliers.numel() == 1:
-        m = multipliers.reshape(())
+    """The planar words (int32) of ``g``, whole rows (and whole blocks where there are several, aligned:
+    :func:`aligned_blocks`): the rows' planes drawn as one ``(rows, per_word, runs, run)`` tensor, element
+    ``r * per_word * STRIPE + k * STRIPE + v`` with the bits of its own counter (:func:`hash_at`), a run being the
+    elements of a plane under one multiplier, and each word's fields summed over the planes (distinct bits: the sum
+    is their union). One expression, not one per plane (a kernel unrolled over 16 planes took nearly five times as
+    long to compile), every operand of the same four dimensions (a multiplier viewed in other dimensions than the
+    elements split the kernel in two, the draws' decisions written out as bool planes between them)."""
+    per_word, width = WORD * per_byte, 8 // per_byte
+    rows = g.numel() // row_codes(per_byte)
+    single = multipliers.numel() == 1
+    run = STRIPE if single else min(block_size, STRIPE)
+    shape = (rows, per_word, STRIPE // run, run)
+    offsets = torch.arange(g.numel(), dtype=torch.int32, device=g.device).view(shape)
+    if single:
+        column = multipliers.reshape(1, 1, 1, 1)
+    else:  # one multiplier per run: a stripe (blocks of STRIPE or more) or a block within one
+        low = first // block_size
+        runs = multipliers[low : low + g.numel() // block_size, None].expand(-1, block_size // run)
+        column = runs.reshape(*shape[:3], 1)
 
-        def scaled_in(k: int) -> Callable[[Tensor], Tensor]:
-            return lambda values: values * m.to(values.dtype)
+    def scaled(values: Tensor) -> Tensor:
+        return values * column.to(values.dtype)
 
-    else:  # one multiplier per run of ``span`` elements: a stripe (blocks of STRIPE or more) or a block within one
-        span, low = min(block_size, STRIPE), first // block_size
-        runs = multipliers[low : low + g.numel() // block_size, None].expand(-1, block_size // span)
-        per_run = runs.reshape(rows, per_byte, STRIPE // span)
-
-        def scaled_in(k: int) -> Callable[[Tensor], Tensor]:
-            column = per_run[:, k, :, None]
-            return lambda values: (values.view(rows, -1, span) * column.to(values.dtype)).view(rows, STRIPE)
-
-    packed = None
-    for k in range(per_byte):
-        codes = _codes_of(columns[:, k], scaled_in(k), hash_at(block, offsets + k * STRIPE), cap, fractional)
-        field = (codes.to(torch.int32) + bias) << (width * k)
-        packed = field if packed is None else packed | field
-    assert packed is not None
-    return packed.to(torch.uint8).reshape(-1)
+    codes = _codes_of(g.view(shape), scaled, hash_at(block, offsets), cap, fractional)
+    shifts = width * torch.arange(per_word, dtype=torch.int32, device=g.device).view(1, per_word, 1, 1)
+    return ((codes.to(torch.int32) + bias) << shifts).sum(1, dtype=torch.int32).reshape(-1)
 
 
 def drawn_whole(numel: int, blocks: int, block_size: int, per_byte: int) -> int:
@@ -174,9 +178,10 @@ def drawn_whole(numel: int, blocks: int, block_size: int, per_byte: int) -> int:
     the rows; then its whole rows, and the caller draws the rest eagerly (inductor 2.13's CPU loop over the last row's
     stripes, indexed by ``element // block_size`` across a partial block, computed a wrong multiplier there: the
     case :func:`whole_blocks` guards)."""
-    if blocks == 1 or block_size > per_byte * STRIPE:
+    row = row_codes(per_byte)
+    if blocks == 1 or block_size > row:
         return numel
-    return numel // (per_byte * STRIPE) * (per_byte * STRIPE)
+    return numel // row * row
 
 
 @fused
@@ -194,10 +199,11 @@ def draw_packed_codes(
 ) -> Tensor:
     """:func:`stochastic_codes` biased by ``bias`` (in int32: int16 arithmetic does not vectorise) and packed in
     planar rows (:mod:`~lightning_gradcomp.core.compressors.planar`; ``g`` as a tensor of its own, ``first`` a
-    multiple of the rows and, with several multipliers, of the blocks) in one kernel: the codes are never written out
-    as int8. Whole rows of whole blocks are drawn plane by plane (:func:`_draw_rows`); the rest (less than a row, or
-    than a block where blocks are longer) in element order, then packed. Blocks must line up with the rows
-    (:func:`aligned_blocks`; the codecs draw other blocks unpacked, :func:`draw_codes`, and pack them eagerly).
+    multiple of the rows and, with several multipliers, of the blocks) in one kernel, returned as int32 words: the
+    codes are never written out as int8. Whole rows of whole blocks are drawn all planes at once (:func:`_draw_rows`);
+    the rest (less than a row, or than a block where blocks are longer) in element order, then packed. Blocks must
+    line up with the rows (:func:`aligned_blocks`; the codecs draw other blocks unpacked, :func:`draw_codes`, and
+    pack them eagerly).
     Compiled, it is called on :func:`drawn_whole` elements."""
     parts = _packed_parts(g, multipliers, block, cap, first, block_size, fractional, bias, per_byte, pad)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -215,22 +221,20 @@ def _packed_parts(
     per_byte: int,
     pad: int,
 ) -> list[Tensor]:
-    """:func:`draw_packed_codes`'s bytes as the consecutive pieces drawn: whole rows, then the rest."""
+    """:func:`draw_packed_codes`'s words as the consecutive pieces drawn: whole rows, then the rest."""
     numel = g.numel()
     single = multipliers.numel() == 1
-    if per_byte == 1:
-        codes = stochastic_codes(g, multipliers, block, cap, first, block_size, fractional)
-        return [(codes.to(torch.int32) + bias).to(torch.uint8)[:numel]]
+    row = row_codes(per_byte)
     if not (single or aligned_blocks(block_size, per_byte)):
-        raise ValueError(f"block_size {block_size} does not line up with rows of {per_byte * STRIPE} codes")
-    unit = per_byte * STRIPE if single else max(per_byte * STRIPE, block_size)
+        raise ValueError(f"block_size {block_size} does not line up with rows of {row} codes")
+    unit = row if single else max(row, block_size)
     done = numel // unit * unit
     parts = []
     if done:
         parts.append(_draw_rows(g[:done], multipliers, block, cap, first, block_size, fractional, bias, per_byte))
     if done < numel:  # the rest: in one block (the tensor's, or a block longer than a row), or whole blocks
         rest = numel - done
-        if single or block_size > per_byte * STRIPE:
+        if single or block_size > row:
             m = multipliers.reshape(-1)[0 if single else (first + done) // block_size]
             values, count = g[done:], rest
 
@@ -253,47 +257,56 @@ def _packed_parts(
     return parts
 
 
-#: Signs per stripe of the scaled signs' wire (:mod:`~lightning_gradcomp.core.compressors.sign`): a row of ``8 *
-#: SIGN_STRIPE`` signs lies in ``SIGN_STRIPE`` bytes, bit ``k`` of byte ``b`` holding sign ``b + k * SIGN_STRIPE``
+#: Signs per stripe of the scaled signs' wire (:mod:`~lightning_gradcomp.core.compressors.sign`): a row of ``32 *
+#: SIGN_STRIPE`` signs lies in ``SIGN_STRIPE`` words, bit ``k`` of word ``v`` holding sign ``v + k * SIGN_STRIPE``
 #: (the planar rows of :mod:`~lightning_gradcomp.core.compressors.planar`, one bit per field).
 SIGN_STRIPE = STRIPE
 #: Signs per whole row.
-SIGN_ROW = 8 * SIGN_STRIPE
+SIGN_ROW = row_codes(8)
 
 
 def sign_row_split(numel: int) -> tuple[int, int]:
-    """``(whole, stripe)``: how many of ``numel`` signs lie in whole rows, and the stripe of the last, partial row
-    (``ceil(m / 8)`` for its ``m`` signs; 0 when there is none)."""
+    """``(whole, stripe)``: how many of ``numel`` signs lie in whole rows, and the stripe (in words) of the last,
+    partial row (``ceil(m / 32)`` for its ``m`` signs; 0 when there is none)."""
     return row_split(numel, 8)
 
 
 def sign_rows(flat: Tensor, stripe: int) -> Tensor:
-    """The planar bytes of whole rows of ``8 * stripe`` elements of ``flat``: bit ``k`` of byte ``b`` of a row is
-    ``x >= 0`` of its element ``b + k * stripe``. Each stripe is read contiguously: compiled, whole vectors."""
+    """The planar words (int32) of whole rows of ``32 * stripe`` elements of ``flat``: bit ``k`` of word ``v`` of a
+    row is ``x >= 0`` of its element ``v + k * stripe``. Each stripe is read contiguously: compiled, whole vectors."""
     return pack_rows(torch.where(flat >= 0, 1, 0).to(torch.int32), 8, stripe)
 
 
 def signs_of_rows(packed: Tensor, stripe: int) -> Tensor:
-    """The signs (+1 for a set bit, -1 else; float32) of whole rows of :func:`sign_rows`' bytes, shaped ``(rows, 8,
-    stripe)``: each row's eight stripes in element order."""
+    """The signs (+1 for a set bit, -1 else; float32) of whole rows of :func:`sign_rows`' bytes (uint8, starting on a
+    word), shaped ``(rows, 32, stripe)``: each row's 32 stripes in element order."""
     return (fields_of_rows(packed, 8, stripe) * 2 - 1).to(torch.float32)
 
 
 @fused
 def encode_signs(flat: Tensor, rms: bool) -> tuple[Tensor, Tensor]:
     """EF-SignSGD's payload of a flat tensor (Karimireddy et al., ICML 2019, Algorithm 1): the magnitude (float32
-    ``||x||_1 / d``, or with ``rms`` 1-bit Adam's ``||x||_2 / sqrt(d)``) and the bits ``x >= 0`` in planar rows
-    (:func:`sign_rows`; the last, partial row of ``m`` elements in stripes of ``ceil(m / 8)``, its padding 0)."""
+    ``||x||_1 / d``, or with ``rms`` 1-bit Adam's ``||x||_2 / sqrt(d)``) and the bits ``x >= 0`` in planar rows as
+    int32 words (:func:`sign_rows`; the last, partial row of ``m`` elements in stripes of ``ceil(m / 32)``, its
+    padding 0)."""
     parts = _sign_parts(flat)
-    bits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
+    bits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.int32)
     return _sign_magnitude(flat, rms), bits
 
 
 def _sign_magnitude(flat: Tensor, rms: bool) -> Tensor:
-    """:func:`encode_signs`'s magnitude: ``||x||_1 / d``, or ``||x||_2 / sqrt(d)`` with ``rms``, in float32."""
+    """:func:`encode_signs`'s magnitude: ``||x||_1 / d``, or ``||x||_2 / sqrt(d)`` with ``rms``, in float32. The whole
+    rows' terms are summed over each row's planes first, as the bits are (:func:`sign_rows`), then those sums (one
+    float32 per word): the compiled kernel reads each element once for both (summed at once, the two reductions took
+    two passes)."""
     d = max(1, flat.numel())
     work = flat.to(torch.float32)
-    return (torch.linalg.vector_norm(work) if rms else work.abs().sum()) / (d**0.5 if rms else d)
+    terms = work * work if rms else work.abs()
+    whole = flat.numel() // SIGN_ROW * SIGN_ROW
+    total = terms[whole:].sum()
+    if whole:
+        total = terms[:whole].view(-1, 8 * WORD, SIGN_STRIPE).sum(1).sum() + total
+    return (torch.sqrt(total) if rms else total) / (d**0.5 if rms else d)
 
 
 def _sign_parts(flat: Tensor) -> list[Tensor]:
@@ -301,7 +314,8 @@ def _sign_parts(flat: Tensor) -> list[Tensor]:
     whole, stripe = sign_row_split(flat.numel())
     parts = [sign_rows(flat[:whole], SIGN_STRIPE)] if whole else []
     if stripe:
-        padded = torch.nn.functional.pad(flat[whole:], (0, 8 * stripe - (flat.numel() - whole)), value=-1.0)
+        padding = 8 * WORD * stripe - (flat.numel() - whole)
+        padded = torch.nn.functional.pad(flat[whole:], (0, padding), value=-1.0)
         parts.append(sign_rows(padded, stripe))
     return parts
 

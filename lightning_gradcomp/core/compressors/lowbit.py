@@ -9,7 +9,7 @@ levels per block of 256 entries add a quarter of a bit per entry.
 
 Wire form (a function of the tensor's size and the density alone, so an allgather needs no exchange of sizes):
 the indices as :class:`~lightning_gradcomp.core.compressors.SparsePayload` encodes them (Elias-Fano or a bitmap, no
-count: ``k`` follows from the density), the codes four to a byte, then the levels.
+count: ``k`` follows from the density), the codes sixteen to a 32-bit word, then the levels.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ so ``E[xi_j] = u_j`` and ``Q`` is unbiased. Its variance is bounded by Lemma 3.1
 whose exact bound ``sqrt(d) - 1`` the quantizer gives; ``s`` generalises it.
 
 Wire: one float32 norm per block, then the levels offset by ``s`` and packed, 4 bits each for
-``s <= 7`` (two per byte, in the planar rows of :mod:`~lightning_gradcomp.core.compressors.planar`: field ``k`` of a
-row's byte ``b`` holds its level ``b + 512 k``) and 8 bits for ``s <= 127``. The paper's Elias coding of the levels
+``s <= 7`` (eight per 32-bit word, in the planar rows of :mod:`~lightning_gradcomp.core.compressors.planar`: field
+``k`` of a row's word ``v`` holds its level ``v + 512 k``) and 8 bits for ``s <= 127`` (four per word, the same
+rows). The paper's Elias coding of the levels
 (Sec. 3.2) is not used: fixed-width codes keep the payload's size a function of the tensor's,
 so the allgather needs no exchange of sizes.
 """
@@ -59,13 +60,13 @@ def code_bits(levels: int) -> int:
 
 
 def codes_nbytes(numel: int, levels: int) -> int:
-    """Bytes of ``numel`` packed levels."""
-    return -(-numel // 2) if code_bits(levels) == 4 else numel
+    """Bytes of ``numel`` packed levels: whole words, 8 levels to one up to ``s = 7``, 4 beyond."""
+    return level_packing(levels).nbytes(numel)
 
 
 def level_packing(levels: int) -> CodePacking:
-    """How levels of ``s = levels`` lie in their bytes: ``c + s``, two to a byte up to 7 (planar rows, padding
-    fields 0), one beyond."""
+    """How levels of ``s = levels`` lie in their words: ``c + s``, eight to a word up to 7, four beyond (planar rows,
+    padding fields 0)."""
     return CodePacking(8 // code_bits(levels), bias=levels, pad=0)
 
 

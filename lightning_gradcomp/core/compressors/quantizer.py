@@ -74,7 +74,7 @@ class BlockQuantizer(Compressor):
             independent of the layer size, at 4 bytes of norm per 1024 elements.
 
     Every rank sends its own norms (no scale sharing), so payloads are averaged by the allgather
-    aggregator: ``4 * ceil(d / block_size) + ceil(d / 4)`` bytes for ``d`` elements. Computation
+    aggregator: ``4 * ceil(d / block_size) + 4 * ceil(d / 16)`` bytes for ``d`` elements. Computation
     is in fp32; fp16/bf16 gradients are decoded back to their dtype.
     """
 

@@ -11,14 +11,15 @@ and keeps ``e = p - C(p)`` (``memory="ef"``). ``C`` is a contraction,
 never unbiased for DIANA. Ranks gather each other's bits and scales and *average* the scaled signs
 (not signSGD's majority vote, which loses the scales and with them the contraction).
 
-Wire form: the scale (float32), then the signs packed 8 per byte (a set bit is ``+``; ``sign(0)`` is sent as ``+``,
-error feedback keeps the difference): ``4 + ceil(d / 8)`` bytes, 32x below fp32 for large tensors. The bytes are
-planar rows: the signs are cut into rows of ``8 * 512`` (:data:`~lightning_gradcomp.core.compressors.kernels.SIGN_ROW`),
-each in 512 bytes, bit ``k`` of byte ``b`` holding the row's sign ``b + 512 k``; the last, partial row of ``m`` signs
-is cut the same way into stripes of ``ceil(m / 8)``. So each of a row's eight bit planes is a contiguous run of
-elements, which compiled loops read and write as whole vectors: packed 8 consecutive signs to a byte, the compiled
-mean of two ranks' signs of a 4096 x 4096 layer took 20.7 ms on one CPU thread, planar 4.3
-(``benchmarks/field_layout.py``).
+Wire form: the scale (float32), then the signs packed 32 per little-endian 32-bit word (a set bit is ``+``;
+``sign(0)`` is sent as ``+``, error feedback keeps the difference): ``4 + 4 ceil(d / 32)`` bytes, 32x below fp32 for
+large tensors. The words are planar rows (:mod:`~lightning_gradcomp.core.compressors.planar`, one bit per field): the
+signs are cut into rows of ``32 * 512`` (:data:`~lightning_gradcomp.core.compressors.kernels.SIGN_ROW`), each in 512
+words, bit ``k`` of word ``v`` holding the row's sign ``v + 512 k``; the last, partial row of ``m`` signs is cut the
+same way into stripes of ``ceil(m / 32)`` words. So each of a row's 32 bit planes is a contiguous run of elements,
+which compiled loops read and write as whole vectors: on an AMD EPYC (one thread), the compiled mean of two ranks'
+signs of a 4096 x 4096 layer took 42.3 ms from planar bytes (8 signs each) and 11.4 from planar words, a copy of
+the layer 9.5 (``benchmarks/field_layout.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from lightning_gradcomp.core.compressors.kernels import (
     sign_row_split,
     subtract_signs_,
 )
+from lightning_gradcomp.core.compressors.planar import WORD, planar_nbytes, word_aligned
 from lightning_gradcomp.core.compressors.wire import ByteReader, own_payload, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice
@@ -53,31 +55,37 @@ from lightning_gradcomp.core.workspace import Scratch
 #: +120 / +110 with the whole chunk; benchmarks/overhead.py --isolate).
 SPREAD_CHUNK = STREAM_CHUNK // 4
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).view(1, 8, 1)
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).view(1, 1, 8, 1)
 
 
-def _packed_rows(flat: Tensor, stripe: int) -> Tensor:
-    """Eagerly, :func:`~lightning_gradcomp.core.compressors.kernels.sign_rows`: the bits of each row's eight stripes
-    weighted by ``2^k`` and summed over the stripes (distinct bits: the sum is their union), in bytes throughout
-    (eight times faster here than the kernel's shifts of int32, run eagerly)."""
-    bits = torch.ge(flat, 0).view(-1, 8, stripe).view(torch.uint8)
-    return (bits * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8).reshape(-1)
+def sign_nbytes(numel: int) -> int:
+    """Bytes of ``numel`` packed signs: ``4 ceil(numel / 32)``, whole words."""
+    return planar_nbytes(numel, 8)
+
+
+def _pack_rows_(out: Tensor, flat: Tensor, stripe: int) -> None:
+    """Eagerly, :func:`~lightning_gradcomp.core.compressors.kernels.sign_rows` into the bytes ``out``: byte ``j`` of a
+    word is the bits of the row's stripes ``8 j .. 8 j + 7`` weighted by ``2^i`` and summed (distinct bits: the sum is
+    their union), in bytes throughout (eight times faster here than the kernel's shifts of int32, run eagerly)."""
+    bits = torch.ge(flat, 0).view(-1, WORD, 8, stripe).view(torch.uint8)
+    summed = (bits * _BIT_WEIGHTS.to(flat.device)).sum(2, dtype=torch.uint8)
+    out.view(-1, stripe, WORD).transpose(1, 2).copy_(summed)
 
 
 def pack_signs(flat: Tensor, out: Tensor | None = None) -> Tensor:
     """The planar bytes of ``flat >= 0`` (see the module), eagerly, a chunk of whole rows at a time (into ``out``, of
-    ``ceil(d / 8)`` bytes, when given)."""
+    :func:`sign_nbytes` bytes, when given)."""
     numel = flat.numel()
     whole, stripe = sign_row_split(numel)
-    packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=flat.device) if out is None else out
+    packed = torch.empty(sign_nbytes(numel), dtype=torch.uint8, device=flat.device) if out is None else out
     span = max(1, chunk_for(flat.device, STREAM_CHUNK) // SIGN_ROW) * SIGN_ROW
     for start in range(0, whole, span):
         part = flat[start : min(start + span, whole)]
-        packed[start // 8 : (start + part.numel()) // 8] = _packed_rows(part, SIGN_STRIPE)
+        _pack_rows_(packed[start // 8 : (start + part.numel()) // 8], part, SIGN_STRIPE)
     if stripe:
-        padded = torch.full((8 * stripe,), -1.0, dtype=flat.dtype, device=flat.device)
+        padded = torch.full((8 * WORD * stripe,), -1.0, dtype=flat.dtype, device=flat.device)
         padded[: numel - whole] = flat[whole:]
-        packed[whole // 8 :] = _packed_rows(padded, stripe)
+        _pack_rows_(packed[whole // 8 :], padded, stripe)
     return packed
 
 
@@ -89,11 +97,11 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def _spread_rows(packed: Tensor, stripe: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
-    """Eagerly, the signs of whole planar rows as a ``(rows, 8, stripe)`` view in element order: each byte's eight
-    signs from a table (into ``out``, ``(bytes, 8)``, when given), each row's ``(stripe, 8)`` read as
-    ``(8, stripe)``."""
+    """Eagerly, the signs of whole planar rows as a ``(rows, 32, stripe)`` view in element order: each byte's eight
+    signs from a table (into ``out``, ``(bytes, 8)``, when given), each row's ``(stripe, 4, 8)`` (word, byte, bit)
+    read as ``(32, stripe)``."""
     spread = torch.index_select(_sign_table(dtype, packed.device), 0, packed.to(torch.int32), out=out)
-    return spread.view(-1, stripe, 8).transpose(1, 2)
+    return spread.view(-1, stripe, 8 * WORD).transpose(1, 2)
 
 
 def _signs_of_rows(packed: Tensor, stripe: int, dtype: torch.dtype) -> Tensor:
@@ -152,13 +160,13 @@ def add_signs_(out: Tensor, packed: Tensor, scale: Tensor, numel: int, first: in
         if spread is None:
             spread = torch.empty(span // 8, 8, dtype=out.dtype, device=out.device)
         signs = _spread_rows(packed[at // 8 : (at + count) // 8], SIGN_STRIPE, out.dtype, spread[: count // 8])
-        target.view(-1, 8, SIGN_STRIPE).addcmul_(signs, scale)  # read in element order: no reordered copy
+        target.view(-1, 8 * WORD, SIGN_STRIPE).addcmul_(signs, scale)  # read in element order: no reordered copy
     return out
 
 
 @dataclass(frozen=True)
 class SignPayload(Payload):
-    """``scale * (+1 where the bit is set else -1)`` for a tensor of ``shape``; ``bits`` packed 8 per byte, in planar
+    """``scale * (+1 where the bit is set else -1)`` for a tensor of ``shape``; ``bits`` packed 32 per word, in planar
     rows (see the module)."""
 
     scale: Tensor
@@ -174,7 +182,7 @@ class SignPayload(Payload):
 
     @property
     def nbytes(self) -> int:
-        return 4 + (self.numel + 7) // 8
+        return 4 + sign_nbytes(self.numel)
 
     def to_bytes(self) -> Tensor:
         if self.wire is not None:
@@ -219,7 +227,7 @@ class SignEntries:
         +-1`` is exact), the rest as a copy and :meth:`add_to_`."""
         done = fused_signs(out, self.first)
         if done:
-            bits = self.bits[self.first // 8 : (self.first + done) // 8]
+            bits = word_aligned(self.bits[self.first // 8 : (self.first + done) // 8])
             subtract_signs_(out[:done], compensated[:done], bits, self.scale.to(out.dtype))
             if done < out.numel():
                 tail = SignEntries(self.bits, self.scale, self.first + done, out.numel() - done, self.dtype, self.total)
@@ -267,12 +275,12 @@ class ScaledSignCompressor(Compressor):
         """The scale and the packed signs, written as they travel into the unit's kept buffer when there is
         ``scratch`` (:func:`~lightning_gradcomp.core.compressors.wire.own_payload`): no copy to send them."""
         flat = x.detach().reshape(-1)
-        nbytes = (flat.numel() + 7) // 8
+        nbytes = sign_nbytes(flat.numel())
         if compiles_on(flat.device):  # one fused pass for the norm and the bits, then copied where they travel (a
             # kernel that stored them there itself wrote them as int32 first, 4x the bytes, and converted them after)
             magnitude, bits = encode_signs(flat, self.magnitude == "rms")
             wire, header, region = own_payload(scratch, magnitude.reshape(1), nbytes)
-            return SignPayload(header[0], region.copy_(bits), x.shape, x.dtype, wire)
+            return SignPayload(header[0], region.copy_(bits.view(torch.uint8)), x.shape, x.dtype, wire)
         if self.magnitude == "rms":
             magnitude = flat.float().norm() / max(1, flat.numel()) ** 0.5
         else:
@@ -286,10 +294,10 @@ class ScaledSignCompressor(Compressor):
             raise ValueError(f"sign payload of {buffer.numel()} bytes, expected {self.payload_nbytes(shape, dtype)}")
         reader = ByteReader(buffer)
         scale = reader.take(1, torch.float32)[0]
-        return SignPayload(scale, reader.take((numel + 7) // 8, torch.uint8), shape, dtype, buffer)
+        return SignPayload(scale, reader.take(sign_nbytes(numel), torch.uint8), shape, dtype, buffer)
 
     def payload_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
-        return 4 + (shape.numel() + 7) // 8
+        return 4 + sign_nbytes(shape.numel())
 
     def accumulate(self, payload: Payload, out: Tensor) -> Tensor:
         assert isinstance(payload, SignPayload)
@@ -305,7 +313,7 @@ class ScaledSignCompressor(Compressor):
         done = fused_signs(out, 0)
         if done:
             scales = [p.scale.to(out.dtype) for p in signs]
-            mean_of_signs_(out[:done], [p.bits[: done // 8] for p in signs], scales)
+            mean_of_signs_(out[:done], [word_aligned(p.bits[: done // 8]) for p in signs], scales)
         if done < out.numel():
             rest = out[done:].zero_()
             for payload in signs:

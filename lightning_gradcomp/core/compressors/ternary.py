@@ -4,13 +4,13 @@ Both methods send, per block of a tensor, one fp32 scale ``s_l`` and one code ``
 ``{-1, 0, 1}`` per element; the receiver reads ``s_l * c_j``. TernGrad (Wen et al., NIPS 2017,
 Sec. 3) has one block per layer; DIANA's block p-norm quantizer (Mishchenko et al. 2019, Sec. 2,
 "p-quantization") splits a tensor into blocks of ``d_l`` elements. Codes travel at 2
-bits each, four per byte, which is 16x smaller than fp32 (the information limit is ``log2(3) =
+bits each, sixteen per 32-bit word, which is 16x smaller than fp32 (the information limit is ``log2(3) =
 1.58`` bits).
 
 Encoding: code ``c`` is stored as the 2-bit value ``c + 1`` (``-1 -> 0``, ``0 -> 1``, ``1 -> 2``), in planar rows
-of 2048 codes in 512 bytes (:mod:`~lightning_gradcomp.core.compressors.planar`): field ``k`` (bits ``2k, 2k+1``) of a
-row's byte ``b`` holds its code ``b + 512 k``; the last, partial row is cut into four stripes of a quarter of its
-length, rounded up, and its padding fields hold code 0. The byte layout does not depend on the machine's endianness.
+of 8192 codes in 512 little-endian words (:mod:`~lightning_gradcomp.core.compressors.planar`): field ``k`` (bits
+``2k, 2k+1``) of a row's word ``v`` holds its code ``v + 512 k``; the last, partial row is cut into sixteen stripes
+of a sixteenth of its length, rounded up, and its padding fields hold code 0.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from lightning_gradcomp.core.compressors.kernels import (
     mean_of_fields_,
 )
 from lightning_gradcomp.core.compressors.planar import (
-    STRIPE,
     field_positions,
     pack_codes,
     planar_nbytes,
+    row_codes,
     unpack_codes,
+    word_aligned,
 )
 from lightning_gradcomp.core.compressors.wire import ByteReader, own_payload, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
@@ -53,7 +54,7 @@ TERNARY_BIAS = 1
 
 
 def packed_nbytes(numel: int) -> int:
-    """Bytes that :func:`pack_2bit` produces for ``numel`` codes: ``ceil(numel / 4)``."""
+    """Bytes that :func:`pack_2bit` produces for ``numel`` codes: ``4 ceil(numel / 16)``, whole words."""
     return planar_nbytes(numel, CODES_PER_BYTE)
 
 
@@ -151,7 +152,7 @@ class CodePacking:
     @property
     def row(self) -> int:
         """Codes per whole row."""
-        return self.per_byte * STRIPE
+        return row_codes(self.per_byte)
 
     def nbytes(self, numel: int) -> int:
         """Bytes of ``numel`` packed codes."""
@@ -215,7 +216,7 @@ def add_blocks_fused_(
     low, high = fused_span(out, packed, start, numel, block_size, packing) if scales.dtype == torch.float32 else (0, 0)
     if high > low:
         first, last = start + low, start + high
-        codes = packed[first // packing.per_byte : last // packing.per_byte]
+        codes = word_aligned(packed[first // packing.per_byte : last // packing.per_byte])
         step = torch.full((), alpha, dtype=torch.float32, device=out.device)
         blocks = scales[:1] if block_size >= numel else scales[first // block_size : last // block_size]
         add_fields_(out[low:high], codes, blocks, step, packing.per_byte, packing.bias)
@@ -232,7 +233,7 @@ def mean_of_blocks_fused_(
     done = min(fused_span(out, codes, 0, numel, block_size, packing)[1] for codes in packs)
     if done and all(s.dtype == torch.float32 for s in scales):
         blocks = 1 if block_size >= numel else done // block_size
-        codes = [c[: done // packing.per_byte] for c in packs if c is not None]
+        codes = [word_aligned(c[: done // packing.per_byte]) for c in packs if c is not None]
         mean_of_fields_(out[:done], codes, [s[:blocks] for s in scales], packing.per_byte, packing.bias)
         return done
     return 0
@@ -485,19 +486,22 @@ def _counter_codes(
             # whose int32 loads take a slow path on AVX2 (benchmarks/kernels.py on an AMD EPYC: 45-51 ms a 4096 x
             # 4096 layer against 40-42)
             drawn = draw_packed_codes(g[:done], multipliers, block, cap, 0, block_size, fractional, *layout)
-            packed[: packing.nbytes(done)].copy_(drawn)
+            packed[: packing.nbytes(done)].copy_(drawn.view(torch.uint8))
         if done < numel:  # the last, partial row across several blocks, eagerly (drawn_whole says why)
             piece = block.clone()
             piece[2] += done
             rest = (g[done:], multipliers, piece, cap, done, block_size, fractional, *layout)
-            packed[packing.nbytes(done) :] = draw_packed_codes.eager(*rest)
+            packed[packing.nbytes(done) :] = draw_packed_codes.eager(*rest).view(torch.uint8)
         return packed
     codes = torch.empty(numel if packed is None else 0, dtype=torch.int8, device=g.device)
     # whole bytes (whole rows when packed), and whole blocks if several and they line up; else a chunk starts inside
     # a block and its draw begins at the block's start (``head`` codes drawn again, dropped)
     unit = 8 if packing is None else packing.row
     unit = math.lcm(block_size, unit) if several and aligned else unit
-    chunk = max(1, chunk_for(g.device, ENCODE_CHUNK) // unit) * unit
+    # drawn packed, a quarter of a chunk at a time: the kernel draws all of a row's planes at once, so each of its
+    # temporaries is the piece's size (drawn a plane at a time, they were a plane's)
+    span = chunk_for(g.device, ENCODE_CHUNK) // (1 if packing is None else 4)
+    chunk = max(1, span // unit) * unit
     for start in range(0, numel, chunk):
         stop = min(start + chunk, numel)
         head = start % block_size if several else 0
@@ -507,7 +511,8 @@ def _counter_codes(
         if packed is None:
             codes[start:stop] = draw_codes.eager(*arguments)[head : head + stop - start]
         elif aligned:
-            packed[start // packing.per_byte : packing.nbytes(stop)] = draw_packed_codes.eager(*arguments, *layout)
+            drawn = draw_packed_codes.eager(*arguments, *layout)
+            packed[start // packing.per_byte : packing.nbytes(stop)] = drawn.view(torch.uint8)
         else:
             assert packing is not None
             drawn = draw_codes.eager(*arguments)[head : head + stop - start]
@@ -520,7 +525,7 @@ class TernaryPayload(PackedCodes, Payload):
     """Ternary codes of a tensor of ``shape`` with one fp32 scale per block of ``block_size`` elements.
 
     Wire form: the scales (fp32, one per block), then the codes packed 2 bits each:
-    ``4 * blocks + ceil(numel / 4)`` bytes.
+    ``4 * blocks + 4 * ceil(numel / 16)`` bytes.
 
     A compressor's payload and one received off the wire keep their codes packed (:class:`PackedCodes`).
 

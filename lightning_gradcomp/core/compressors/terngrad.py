@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_gradcomp.core.compressors.base import Compressor, Payload, chunk_for
 from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.kernels import clipped_scale, mean_of_summed_fields_
+from lightning_gradcomp.core.compressors.planar import word_aligned
 from lightning_gradcomp.core.compressors.ternary import (
     ENCODE_CHUNK,
     TERNARY_PACKING,
@@ -97,7 +98,7 @@ class TernGradCompressor(Compressor):
             codes are summed); with the allgather aggregator each rank may keep its own scaler
             (``False``), which avoids the extra variance a larger shared scaler brings.
 
-    The payload is ``ceil(d / 4) + 4`` bytes for ``d`` elements: 2-bit codes and the fp32 scaler.
+    The payload is ``4 * ceil(d / 16) + 4`` bytes for ``d`` elements: 2-bit codes and the fp32 scaler.
     fp16/bf16 gradients are ternarized in fp32 and decoded back to their dtype; fp64 gradients are
     ternarized from their fp32 rounding (the scaler travels as fp32) and decoded in fp64.
     """
@@ -220,7 +221,7 @@ class TernGradCompressor(Compressor):
         if shared is None:
             return super().average_all(payloads, out, world)
         scale, per_byte = shared.to(torch.float32), TERNARY_PACKING.per_byte
-        codes = [c[: done // per_byte] for c in packed]
+        codes = [word_aligned(c[: done // per_byte]) for c in packed]
         mean_of_summed_fields_(out[:done], codes, scale, per_byte, TERNARY_PACKING.bias)
         if done < out.numel():
             out[done:].copy_(_summed_codes(payloads, done, out.numel() - done)).mul_(scale).div_(world)
