@@ -292,16 +292,20 @@ def test_sizes_past_the_recompile_limit_run_eagerly_with_one_warning(
 
 @pytest.mark.parametrize(
     ("multipliers", "block_size", "per_byte", "bias", "fractional"),
-    [(torch.tensor([1e5]), 1, 4, 1, False), (torch.full((9,), 7000.0), 512, 2, 7, True)],
-    ids=["ternary-one-scale", "qsgd-blocks"],
+    [
+        (torch.tensor([1e5]), 1, 4, 1, False),
+        (torch.full((33,), 7000.0), 512, 2, 7, True),
+        (torch.full((33,), 7000.0), 512, 1, 20, True),
+    ],
+    ids=["ternary-one-scale", "qsgd-4bit-blocks", "qsgd-8bit-blocks"],
 )
-def test_codes_drawn_a_byte_at_a_time_are_the_codes_drawn_then_packed(
+def test_codes_drawn_into_their_words_are_the_codes_drawn_then_packed(
     multipliers: torch.Tensor, block_size: int, per_byte: int, bias: int, fractional: bool
 ) -> None:
     from lightning_gradcomp.core.compressors.kernels import stochastic_codes
     from lightning_gradcomp.core.compressors.planar import pack_fields
 
-    x = _gradient(6)[: 8 * 512 + 3]  # whole planar rows, then a partial last block and row
+    x = _gradient(6)[: 2 * 8192 + 3]  # whole planar rows of every width, then a partial last block and row
     block = CounterStream(11).block(x.numel())
     arguments = (x, multipliers, block, None, 0, block_size, fractional)
     codes = stochastic_codes(*arguments)[: x.numel()]

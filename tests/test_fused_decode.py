@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gradcomp.core.fused as fused_module
 from lightning_gradcomp import gradcomp_comm_hook, make_hook
-from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, TernGradCompressor
+from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, SignPayload, TernGradCompressor
 from lightning_gradcomp.core.compressors.kernels import (
     SIGN_ROW,
     add_fields_,
@@ -83,6 +83,28 @@ def test_the_compiled_mean_of_scaled_signs_is_the_eager_one_bit_for_bit(mode: ob
     assert mean_of_signs_.compiled_calls == calls + 1
     reference = sum(compressor.decompress(p) for p in payloads) / 3
     assert torch.equal(compiled, eager) and torch.equal(eager, reference)
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [ScaledSignCompressor(), QSGDCompressor(levels=7), QSGDCompressor(levels=20)],
+    ids=["signs", "4bit", "8bit"],
+)
+def test_payloads_received_at_odd_offsets_decode_compiled_as_aligned_ones(mode: object, compressor: object) -> None:
+    # a gather may hand a payload over at any byte: its codes are copied onto a word before the compiled pass reads
+    # them as words (a word view of the bytes where they lie would raise)
+    numel = 2 * SIGN_ROW + 32 * 99 + 5
+    mode("eager")
+    payloads = _payloads(compressor, 2, numel)
+    wire = payloads[1].to_bytes()
+    shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), wire])[1:]
+    odd = compressor.unpack(shifted, payloads[1].shape, torch.float32)
+    codes = odd.bits if isinstance(odd, SignPayload) else odd.packed
+    assert codes.storage_offset() % 4 == 1  # off a word: the copy is what runs
+    compiled, eager = _both(mode, lambda: compressor.average_all([payloads[0], odd], torch.zeros(numel), 2))
+    mode("compiled")
+    aligned = compressor.average_all(payloads, torch.zeros(numel), 2)
+    assert torch.equal(compiled, aligned) and torch.equal(compiled, eager)
 
 
 @pytest.mark.parametrize(

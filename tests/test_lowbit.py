@@ -24,7 +24,11 @@ def test_the_wire_form_is_exactly_the_declared_size_and_parses_back_to_the_same_
     k = 400
     assert payload.k == k
     blocks = math.ceil(k / 256)
-    assert payload.nbytes == encoded_nbytes(x.numel(), k) + k // 4 + 8 * blocks == payload.to_bytes().numel()
+    assert (
+        payload.nbytes
+        == encoded_nbytes(x.numel(), k) + 4 * math.ceil(k / 16) + 8 * blocks
+        == payload.to_bytes().numel()
+    )
     assert codec.payload_nbytes(x.shape, x.dtype) == payload.nbytes
     back = codec.unpack(payload.to_bytes(), x.shape, x.dtype)
     assert torch.equal(back.indices, payload.indices) and torch.equal(back.values(), payload.values())

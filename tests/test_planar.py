@@ -150,7 +150,7 @@ def test_the_compiled_draw_kernels_run_on_the_rows_they_are_given(mode: object) 
     "compressor",
     [
         QSGDCompressor(levels=7, block_size=256),
-        QSGDCompressor(levels=7, block_size=4096),
+        QSGDCompressor(levels=7, block_size=8192),
         BlockQuantizer(2, 256),
         BlockQuantizer(2, 1536),
     ],

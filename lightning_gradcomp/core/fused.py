@@ -1,6 +1,6 @@
 """Codec kernels fused by torch's compiler, or run eagerly: one setting chooses, eager is the fallback and the oracle.
 
-A codec's per-element math (a sign packed 8 to a byte, a stochastic level drawn from a counter hash and packed) is a
+A codec's per-element math (a sign packed 32 to a word, a stochastic level drawn from a counter hash and packed) is a
 pure function over flat tensors. Run eagerly, each of its operations is a pass over memory with a temporary of the
 input's size; ``torch.compile`` (inductor: C++/OpenMP loops on the CPU, Triton kernels on CUDA) fuses the chain into
 one or two passes with no temporaries. :func:`fused` wraps such a function: called, it runs compiled or eager as
@@ -132,7 +132,7 @@ class FusedKernel:
 #: CPU, 30 on GPUs). A codec's draw is one long expression per element (a hash, the decision, the packing): under
 #: the default, QSGD's 4-bit draw with a multiplier per block wrote its decisions as three bool planes of the layer's
 #: size and read them back in a second loop: 721.6 ms a 4096 x 4096 layer on one AMD EPYC thread, 39.5 fused
-#: (``benchmarks/field_layout.py``).
+#: (``benchmarks/field_layout.py``, run before and after the change).
 INLINED_OPERATIONS = 1000
 
 

@@ -35,7 +35,7 @@ from lightning_gradcomp.core.workspace import Scratch
 #: Elements a codec handles at a time when it streams over a tensor (packing, decoding, comparing): its
 #: temporaries (a few MiB) stay in cache, and nothing of the model's size is allocated per call, whose
 #: page faults cost more than the arithmetic on a large model. A power of two: every chunk but the last fills
-#: whole bytes of packed codes (4 ternary codes, 8 signs a byte).
+#: whole words of packed codes (16 ternary codes, 32 signs a word).
 STREAM_CHUNK = 1 << 20
 #: Elements per chunk on an accelerator, where every chunk costs a kernel launch per operation (about as long as
 #: streaming a million elements) and a temporary costs no page faults: 64 MiB of fp32 at most, a few chunks for

@@ -37,7 +37,7 @@ DEFAULT_LEVEL_BLOCK = 256
 
 
 def twobit_nbytes(numel: int, k: int, block_size: int) -> int:
-    """Wire size of :class:`TwoBitPayload`: indices, ``ceil(k / 4)`` bytes of codes, two float32 per block."""
+    """Wire size of :class:`TwoBitPayload`: indices, ``4 ceil(k / 16)`` bytes of codes, two float32 per block."""
     return encoded_nbytes(numel, k) + packed_nbytes(k) + 8 * math.ceil(k / block_size)
 
 

@@ -54,7 +54,8 @@ def planar_nbytes(numel: int, per_byte: int) -> int:
 
 def word_aligned(packed: Tensor) -> Tensor:
     """``packed`` (uint8) where it starts on a word, else a copy that does (a word view needs it; a received payload
-    lies wherever the gather put it): the copy is a thirty-second of a float32 tensor's bytes or less."""
+    lies wherever the gather put it): the copy is the codes' bytes, a thirty-second (signs) to a quarter (8-bit levels)
+    of the tensor's in float32."""
     return packed if packed.storage_offset() % WORD == 0 else packed.clone()
 
 
@@ -68,7 +69,7 @@ def pack_rows(fields: Tensor, per_byte: int, stripe: int) -> Tensor:
     """The words (int32, flat; :meth:`Tensor.view` them as uint8 for the wire) of whole rows of ``per_word * stripe``
     int32 fields given in element order: each word's fields shifted into place and summed over the planes (distinct
     bits: the sum is their union), each plane read as whole vectors. One expression over the planes, not one per
-    plane: unrolled over 32 planes, the sign kernel took seven times as long to compile."""
+    plane: unrolled over 32 planes, the sign kernel took seven times as long to compile (timed by hand)."""
     width, per_word = 8 // per_byte, WORD * per_byte
     shifts = width * torch.arange(per_word, dtype=torch.int32, device=fields.device).view(1, per_word, 1)
     return (fields.view(-1, per_word, stripe) << shifts).sum(1, dtype=torch.int32).reshape(-1)

@@ -71,8 +71,8 @@ def level_packing(levels: int) -> CodePacking:
 
 
 def pack_levels(codes: Tensor, levels: int, out: Tensor | None = None) -> Tensor:
-    """The wire form of the int8 signed levels ``codes`` (flat order): ``c + s`` as bytes, two to a byte for 4-bit
-    codes (:func:`level_packing`); into ``out`` when given."""
+    """The wire form of the int8 signed levels ``codes`` (flat order): ``c + s`` in planar words, eight to a word for
+    4-bit codes and four for 8-bit ones (:func:`level_packing`); into ``out`` when given."""
     return level_packing(levels).pack(codes, out)
 
 

@@ -223,7 +223,7 @@ class SignEntries:
 
     def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
         """``out = compensated - scale * sign``, EF-SignSGD's residual (Karimireddy et al., 2019, Algorithm 1): whole
-        bytes of fp32 in one compiled pass where kernels run compiled (the eager copy-then-add roundings: ``scale *
+        rows of fp32 in one compiled pass where kernels run compiled (the eager copy-then-add roundings: ``scale *
         +-1`` is exact), the rest as a copy and :meth:`add_to_`."""
         done = fused_signs(out, self.first)
         if done:

@@ -59,8 +59,8 @@ def packed_nbytes(numel: int) -> int:
 
 
 def pack_2bit(codes: Tensor, out: Tensor | None = None) -> Tensor:
-    """Pack int8 codes in ``{-1, 0, 1}`` (any shape, read in flat order) into ``ceil(n / 4)`` uint8 bytes in planar
-    rows (into ``out`` when given).
+    """Pack int8 codes in ``{-1, 0, 1}`` (any shape, read in flat order) into ``4 ceil(n / 16)`` uint8 bytes, planar
+    rows of words (into ``out`` when given).
 
     Values outside ``{-1, 0, 1}`` are not checked (that would cost a pass over the codes on the hot
     path) and do not round-trip.
