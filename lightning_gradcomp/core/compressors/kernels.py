@@ -147,11 +147,9 @@ def _draw_rows(
     """The planar words (int32) of ``g``, whole rows (and whole blocks where there are several, aligned:
     :func:`aligned_blocks`): the rows' planes drawn as one ``(rows, per_word, runs, run)`` tensor, element
     ``r * per_word * STRIPE + k * STRIPE + v`` with the bits of its own counter (:func:`hash_at`), a run being the
-    elements of a plane under one multiplier, and each word's fields summed over the planes (distinct bits: the sum
-    is their union). One expression, not one per plane (a kernel unrolled over 16 planes took nearly five times as
-    long to compile), every operand of the same four dimensions (a multiplier viewed in other dimensions than the
-    elements split the kernel in two, the draws' decisions written out as bool planes between them)."""
-    per_word, width = WORD * per_byte, 8 // per_byte
+    elements of a plane under one multiplier, then packed by :func:`pack_rows` (one expression over the planes, not
+    one per plane: a kernel unrolled over 16 planes took nearly five times as long to compile, timed by hand)."""
+    per_word = WORD * per_byte
     rows = g.numel() // row_codes(per_byte)
     single = multipliers.numel() == 1
     run = STRIPE if single else min(block_size, STRIPE)
@@ -168,8 +166,7 @@ def _draw_rows(
         return values * column.to(values.dtype)
 
     codes = _codes_of(g.view(shape), scaled, hash_at(block, offsets), cap, fractional)
-    shifts = width * torch.arange(per_word, dtype=torch.int32, device=g.device).view(1, per_word, 1, 1)
-    return ((codes.to(torch.int32) + bias) << shifts).sum(1, dtype=torch.int32).reshape(-1)
+    return pack_rows(codes.to(torch.int32) + bias, per_byte, STRIPE)
 
 
 def drawn_whole(numel: int, blocks: int, block_size: int, per_byte: int) -> int:
