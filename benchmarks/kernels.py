@@ -8,8 +8,11 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 * a multiply into a fresh tensor against the same multiply into a kept one (page faults of a new
   allocation against the arithmetic);
 * PowerSGD's second product ``M^T P`` computed as written against ``(P^T M)^T``;
-* Top-k's sample of 65,536 positions (its threshold's) from the counter stream: 53-bit integers of two draws each
-  against one draw each;
+* Top-k's sample of 65,536 positions (its threshold's) from the counter stream, drawn and read from a tensor in two
+  pieces (a unit of two layers in DDP's buckets): independent positions (one 32-bit draw each, ``floor(b d / 2^32)``)
+  against the stratified ones, which come in order and are read in runs;
+* Top-k's whole compress at density 0.01 of that tensor in two pieces, with the sample independent against
+  stratified;
 * Top-k's candidates ``|x| >= thr`` at density 0.01 through per-block maxima against one streamed pass,
   and the streamed pass's test on one chunk: ``abs`` then ``>=`` against ``hardshrink`` then a cast;
 * the fp16 wire's summand ``x / P`` rounded to float16: one mixed-dtype multiply against ``scaled_cast``;
@@ -35,7 +38,7 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 and alone: Elias-Fano's encoding and decoding of 250,000 indices, gTop-k's merge of two such sets, and
 QSGD's draw of a layer's levels.
 
-    python benchmarks/kernels.py [--device cuda]
+    python benchmarks/kernels.py [--device cuda] [--only "Top-k's"]   # --only: the lines whose text holds it
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from lightning_gradcomp.core.compressors import blocks, qsgd
 from lightning_gradcomp.core.compressors.atomo import AtomoCompressor
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK
 from lightning_gradcomp.core.compressors.blocks import MagnitudeBlocks, streamed_above
-from lightning_gradcomp.core.compressors.draws import random_integers, random_positions
+from lightning_gradcomp.core.compressors.draws import stratified_positions
 from lightning_gradcomp.core.compressors.indices import (
     decode_indices,
     encode_indices,
@@ -62,13 +65,28 @@ from lightning_gradcomp.core.compressors.kernels import (
     mean_of_signs_,
 )
 from lightning_gradcomp.core.compressors.precision import scaled_cast
+from lightning_gradcomp.core.compressors.segments import Segments, take
 from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
 from lightning_gradcomp.core.compressors.ternary import stochastic_levels
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, kth_smallest
-from lightning_gradcomp.core.randomness import CounterStream
+from lightning_gradcomp.core.randomness import CounterStream, unsigned_of
 
 #: the 25.2M MLP's largest layer, 4096 x 4096
 LAYER = 4096 * 4096
+
+
+def independent_positions(stream: CounterStream, high: int, count: int = 1 << 16) -> torch.Tensor:
+    """``count`` independent positions in ``[0, high)``, ``floor(b high / 2^32)`` of one 32-bit draw ``b`` each: Top-k's
+    sample before it was stratified."""
+    return unsigned_of(stream.bits(count)).mul_(high).bitwise_right_shift_(32)
+
+
+class IndependentSample(TopKCompressor):
+    """Top-k with its threshold's sample at independent positions (:func:`independent_positions`), read in their
+    random order: the selection before the sample was stratified (the same entries, found more slowly)."""
+
+    def sampled_magnitudes(self, flat: Segments, count: int, generator: CounterStream) -> torch.Tensor:
+        return take(flat, independent_positions(generator, flat.numel(), count)).abs()
 
 
 def blocks_copied_out(x: torch.Tensor, thr: float) -> torch.Tensor:
@@ -84,6 +102,7 @@ def blocks_copied_out(x: torch.Tensor, thr: float) -> torch.Tensor:
 def main() -> None:
     parser = kernel_parser(__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--only", default="", help="time only the lines whose description contains this")
     args = parser.parse_args()
     device = kernel_device(args)
     generator = torch.Generator().manual_seed(0)
@@ -93,6 +112,8 @@ def main() -> None:
     matrix = torch.randn(4096, 4096, generator=generator).to(device)
     p = torch.randn(4096, 4, generator=generator).to(device)
     thr = TopKCompressor(0.01).sample_threshold(x.cpu(), generator)
+    pieces = Segments([x[: 2 * args.numel // 3], x[2 * args.numel // 3 :]])  # two layers' gradients
+    numel = pieces.numel()
     assert thr is not None
     chunk, shrunk = x[:STREAM_CHUNK], torch.empty(STREAM_CHUNK, device=device)
     mask = torch.empty(STREAM_CHUNK, dtype=torch.bool, device=device)
@@ -116,9 +137,17 @@ def main() -> None:
             ("torch.matmul(P.T, M).T", lambda: torch.matmul(p.T, matrix).T.contiguous()),
         ),
         (
-            f"Top-k's sample of 65,536 positions of {args.numel}",
-            ("53-bit integers", lambda: random_integers(CounterStream(7, device), args.numel, 1 << 16, device)),
-            ("one draw each", lambda: random_positions(CounterStream(7, device), args.numel, 1 << 16, device)),
+            f"Top-k's sample of 65,536 of {args.numel} entries in two pieces, drawn and read",
+            ("independent positions", lambda: take(pieces, independent_positions(CounterStream(7, device), numel))),
+            (
+                "stratified, read in runs",
+                lambda: take(pieces, stratified_positions(CounterStream(7, device), numel, 1 << 16, device), True),
+            ),
+        ),
+        (
+            f"Top-k's compress at density 0.01 of {args.numel} entries in two pieces",
+            ("independent sample", lambda: IndependentSample(0.01).compress(pieces, CounterStream(7, device))),
+            ("stratified sample", lambda: TopKCompressor(0.01).compress(pieces, CounterStream(7, device))),
         ),
         (
             "Top-k candidates |x| >= thr at density 0.01",
@@ -209,6 +238,8 @@ def main() -> None:
     ]
     where = f"one CPU thread ({vector_isa()})" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"{where}, best of {args.repeats} (ms)")
+    pairs = [pair for pair in pairs if args.only in pair[0]]
+    singles = [single for single in singles if args.only in single[0]]
     for what, (slow_name, slow), (fast_name, fast) in pairs:
         slow_ms, fast_ms = best_ms(slow, args.repeats, device), best_ms(fast, args.repeats, device)
         print(f"{what}: {slow_name} {slow_ms:.2f}, {fast_name} {fast_ms:.2f} ({slow_ms / fast_ms:.1f}x)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_terngrad import Z_LIMIT
 
-from lightning_gradcomp.core.compressors.draws import random_integers, random_positions, random_subset
+from lightning_gradcomp.core.compressors.draws import random_integers, random_subset, stratified_positions
 from lightning_gradcomp.core.randomness import (
     CounterStream,
     UnitStreams,
@@ -98,23 +98,83 @@ def test_pairs_of_successive_bytes_are_uniform() -> None:
     assert abs(chi2 - 65535) <= Z_LIMIT * math.sqrt(2 * 65535), chi2
 
 
-def test_sample_positions_take_one_draw_each_and_are_uniform_to_high_over_two_to_the_32() -> None:
-    """A position is ``floor(b high / 2^32)`` of one 32-bit draw ``b`` (the stream's counters advance by one per
-    position): the reference in Python integers, every value below ``high``, and a chi-square test over 1,000 cells
-    (each value's probability is off ``1 / high`` by at most ``high / 2^32`` of it: invisible at this size)."""
+def test_stratified_positions_take_one_draw_each_and_are_uniform_within_their_strata() -> None:
+    """Position ``i`` is ``floor(i high / count) + floor(b w_i / 2^32)`` of one 32-bit draw ``b`` (the stream's counters
+    advance by one per position): the reference in Python integers, each position in its own stratum (so they
+    ascend), and a chi-square test of the offsets within strata of 1,000 (each offset's probability is off
+    ``1 / 1000`` by at most ``1000 / 2^32`` of it: invisible at this size)."""
     stream = CounterStream(KEYS[2])
-    high = 1_000
-    drawn = random_positions(stream, high, N, torch.device("cpu"))
+    width = 1_000
+    drawn = stratified_positions(stream, width * N, N, torch.device("cpu"))
     assert drawn.dtype == torch.int64 and stream.offset == N
-    assert drawn.tolist()[:64] == [(reference_bits(KEYS[2], i) * high) >> 32 for i in range(64)]
-    assert drawn.min() >= 0 and drawn.max() < high
-    counts = torch.bincount(drawn, minlength=high).double()
-    chi2 = float(((counts - N / high) ** 2 / (N / high)).sum())
-    assert abs(chi2 - (high - 1)) <= Z_LIMIT * math.sqrt(2 * (high - 1)), chi2
-    big = (1 << 31) + 5  # past 2^31 a product would not fit in int64: the 53-bit integers instead
-    assert torch.equal(CounterStream(KEYS[3]).positions(big, 1000), CounterStream(KEYS[3]).integers(big, 1000))
-    top = random_positions(CounterStream(KEYS[3]), 1 << 31, N, torch.device("cpu"))
-    assert top.max() < 1 << 31 and top.min() >= 0
+    assert drawn.tolist()[:64] == [i * width + ((reference_bits(KEYS[2], i) * width) >> 32) for i in range(64)]
+    offsets = drawn - torch.arange(N) * width
+    assert offsets.min() >= 0 and offsets.max() < width
+    counts = torch.bincount(offsets, minlength=width).double()
+    chi2 = float(((counts - N / width) ** 2 / (N / width)).sum())
+    assert abs(chi2 - (width - 1)) <= Z_LIMIT * math.sqrt(2 * (width - 1)), chi2
+
+
+@pytest.mark.parametrize("high", [1_000_003, 7 * (1 << 31) + 5, 1 << 40])
+@pytest.mark.parametrize("kind", ["counter", "generator"])
+def test_stratified_positions_lie_one_in_each_stratum_of_uneven_and_wide_strata(high: int, kind: str) -> None:
+    """Strata of unequal widths (``high`` not a multiple of ``count``), and strata too wide for a 32-bit draw (their
+    positions from 53-bit uniforms, two draws each): every position in ``[floor(i high / count), floor((i + 1) high /
+    count))``, from either kind of stream, the same again from the same stream."""
+    count = 1_000
+
+    def draws() -> CounterStream | torch.Generator:
+        return CounterStream(KEYS[1]) if kind == "counter" else torch.Generator().manual_seed(3)
+
+    drawn = stratified_positions(draws(), high, count, torch.device("cpu"))
+    lows = [i * high // count for i in range(count + 1)]
+    assert all(lows[i] <= p < lows[i + 1] for i, p in enumerate(drawn.tolist()))
+    assert torch.equal(drawn, stratified_positions(draws(), high, count, torch.device("cpu")))
+    if kind == "counter":
+        stream = draws()
+        stratified_positions(stream, high, count, torch.device("cpu"))
+        assert stream.offset == (2 * count if high // count + 1 >= 1 << 31 else count)
+    # the offsets as fractions of their strata: uniform on [0, 1) (a Kolmogorov-Smirnov bound at the same level)
+    fractions = (
+        (drawn - torch.tensor(lows[:-1])).double() / torch.tensor(lows[1:]).sub(torch.tensor(lows[:-1]))
+    ).sort()
+    ks = float((fractions.values - (torch.arange(count) + 0.5) / count).abs().max())
+    assert ks <= 0.5 / count + math.sqrt(math.log(2 / 1e-6) / (2 * count)), ks
+
+
+@pytest.mark.parametrize("count", [0, 11])
+def test_stratified_positions_refuse_a_count_outside_one_to_high(count: int) -> None:
+    with pytest.raises(ValueError, match=rf"count must be an integer in \[1, high=10\], got {count}"):
+        stratified_positions(CounterStream(KEYS[0]), 10, count, torch.device("cpu"))
+
+
+def test_a_stratified_sample_counts_a_set_with_at_most_the_binomial_variance() -> None:
+    """What the Top-k family's margins rest on: the number of sampled positions inside a set of positions has the mean
+    ``s |A| / d`` and a variance no larger than the binomial ``s p (1 - p)`` of independent positions. Over 400
+    streams, for a scattered set (one position in 100, at random) and a contiguous one (the first 1% of the tensor,
+    where the strata make the count all but fixed): the mean within ``Z_LIMIT`` standard errors, the variance below
+    the binomial one times a chi-square bound on the sample variance's spread."""
+    d, s, trials = 1_000_000, 20_000, 400
+    scattered = torch.zeros(d, dtype=torch.bool)
+    scattered[torch.randperm(d, generator=torch.Generator().manual_seed(4))[: d // 100]] = True
+    contiguous = torch.zeros(d, dtype=torch.bool)
+    contiguous[: d // 100] = True
+    p = 0.01
+    binomial = s * p * (1 - p)
+    for members in (scattered, contiguous):
+        counts = torch.tensor(
+            [
+                float(
+                    members[
+                        stratified_positions(CounterStream(stream_seed(5, 0, t, 3)), d, s, torch.device("cpu"))
+                    ].sum()
+                )
+                for t in range(trials)
+            ],
+            dtype=torch.float64,
+        )
+        assert abs(float(counts.mean()) - s * p) <= Z_LIMIT * math.sqrt(binomial / trials)
+        assert float(counts.var()) <= binomial * (1 + Z_LIMIT * math.sqrt(2 / (trials - 1)))
 
 
 def test_integers_and_subsets_from_a_counter_stream_are_uniform() -> None:

@@ -173,16 +173,6 @@ class CounterStream:
         u53 = self.bits53(count).double()
         return torch.clamp(u53.mul_(2.0**-53 * high).floor_().long(), max=high - 1)
 
-    def positions(self, high: int, count: int) -> Tensor:
-        """The next ``count`` integers in ``[0, high)`` (int64), ``floor(b high / 2^32)`` of one 32-bit draw ``b``
-        each (Lemire, ACM TOMACS 2019, Sec. 3, without the rejection): a value's probability is within
-        ``high / 2^32`` of ``1 / high``, relatively. Half the draws of :meth:`integers` and fewer passes, for a sample
-        whose draws decide how fast an answer is found or roughly where a threshold lies, not an unbiased estimate;
-        past ``2^31`` it is :meth:`integers`."""
-        if high > 1 << 31:
-            return self.integers(high, count)
-        return unsigned_of(self.bits(count)).mul_(high).bitwise_right_shift_(32)
-
     def bits53(self, count: int) -> Tensor:
         """The next ``count`` 53-bit random integers (int64 in ``[0, 2^53)``), each from two draws of 32 bits."""
         words = unsigned_of(self.bits(2 * count)).view(count, 2)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import streams
-from lightning_gradcomp.core.compressors.draws import Draws, random_positions
+from lightning_gradcomp.core.compressors.draws import Draws
 from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels, normal_quantile
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
@@ -70,7 +70,7 @@ class GaussianKCompressor(TopKCompressor):
        then only the blocks holding candidates are read; a unit read in pieces has each piece's blocks);
     3. while fewer than ``k/2`` are found, up to ``refinements`` times: first (with two refinements
        or more) lower ``thr`` to where ``3k/4`` entries lie: with the unit's generator (as the hook
-       passes it), the magnitude a random sample of the entries puts there (Top-k's sampling, Lin et
+       passes it), the magnitude a stratified random sample of the entries puts there (Top-k's sampling, Lin et
        al., 2018, Sec. 3, with about 144 sampled entries above it, so the count lands within 25% of
        ``3k/4``; the same sample, drawn before step 2's pass, skips that pass where it shows it short
        of ``k/2`` beyond three binomial deviations, :func:`short_of`); without one, where a Gaussian
@@ -155,14 +155,14 @@ class GaussianKCompressor(TopKCompressor):
         return abs(mu) + z * sigma, zero, abs(mu)
 
     def _sample(self, flat: Tensor | Segments, k: int, generator: Draws) -> Tensor | None:
-        """``|x|`` at random positions of ``flat`` (with replacement, from the unit's stream), about
-        :data:`REFIT_SAMPLED` of them expected among the ``3k/4`` largest; ``None`` without a stream, or where the
-        sample would be the whole tensor."""
+        """``|x|`` at a stratified sample of positions of ``flat`` (:meth:`sampled_magnitudes`, from the unit's stream),
+        about :data:`REFIT_SAMPLED` of them expected among the ``3k/4`` largest; ``None`` without a stream, or where
+        the sample would be the whole tensor."""
         d = flat.numel()
         samples = max(self.sample_size(d), math.ceil(REFIT_SAMPLED * d / (TARGET * k)))
         if generator is None or samples >= d:
             return None
-        return take(flat, random_positions(generator, d, samples, flat.device)).abs()
+        return self.sampled_magnitudes(flat, samples, generator)
 
     def _refit(self, sample: Tensor | None, k: int, d: int, thr: float, centre: float, count: int) -> float | None:
         """The first refinement's threshold, aimed at ``TARGET * k`` entries: the magnitude the ``sample`` puts there

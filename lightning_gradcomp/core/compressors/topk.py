@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import all_finite
-from lightning_gradcomp.core.compressors.draws import Draws, random_positions
+from lightning_gradcomp.core.compressors.draws import Draws, stratified_positions
 from lightning_gradcomp.core.compressors.ladder import top_k_by_levels
 from lightning_gradcomp.core.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
@@ -89,9 +89,11 @@ class TopKCompressor(FixedKSparsifier):
     gradient costs more than a whole DDP step on a CPU), by the sampling of Lin et al., "Deep
     Gradient Compression" (ICLR 2018), Sec. 3, made exact:
 
-    1. draw ``s = max(min_samples, min(ceil(sample_ratio * d), max_samples))`` positions uniformly
-       (with replacement, from the unit's generator); if ``s >= d``, or without a generator, use
-       ``torch.topk`` on all of ``x``;
+    1. draw ``s = max(min_samples, min(ceil(sample_ratio * d), max_samples))`` positions from the unit's
+       generator, one uniformly in each of ``s`` equal strata of ``x`` (a stratified sample,
+       :func:`~lightning_gradcomp.core.compressors.draws.stratified_positions`: DGC draws them independently; the
+       count below has at most the binomial variance the margin assumes, and the positions come in order, which a
+       unit in pieces reads in runs); if ``s >= d``, or without a generator, use ``torch.topk`` on all of ``x``;
     2. ``thr`` = the ``m``-th largest ``|x|`` of the sample, ``m = ceil(mu + margin * sqrt(mu))``
        with ``mu = s * k / d`` the expected number of sampled entries among the true top ``k``
        (DGC takes ``m = mu``, which leaves too few candidates half the time);
@@ -142,7 +144,8 @@ class TopKCompressor(FixedKSparsifier):
         return max(self.min_samples, wanted if self.max_samples is None else min(wanted, self.max_samples))
 
     def sample_threshold(self, flat: Tensor | Segments, generator: Draws = None) -> float | None:
-        """The candidate threshold from a random sample of ``|flat|``; ``None`` if the sample would be the whole tensor.
+        """The candidate threshold from a stratified random sample of ``|flat|``; ``None`` if the sample would be the
+        whole tensor.
 
         ``generator`` (on ``flat``'s device) draws the sample; ``None`` uses torch's global generator.
         """
@@ -153,9 +156,13 @@ class TopKCompressor(FixedKSparsifier):
         k = k_for(d, self.density)
         expected = s * k / d
         rank = min(s, max(1, math.ceil(expected + self.margin * math.sqrt(expected))))
-        positions = random_positions(generator, d, s, flat.device)
-        sample = take(flat, positions).abs()
-        return float(torch.topk(sample, rank, sorted=False).values.min())
+        return float(torch.topk(self.sampled_magnitudes(flat, s, generator), rank, sorted=False).values.min())
+
+    def sampled_magnitudes(self, flat: Tensor | Segments, count: int, generator: Draws) -> Tensor:
+        """``|flat|`` at ``count < d`` positions drawn from ``generator``, one uniformly in each of ``count`` equal
+        strata (:func:`~lightning_gradcomp.core.compressors.draws.stratified_positions`), read in order."""
+        positions = stratified_positions(generator, flat.numel(), count, flat.device)
+        return take(flat, positions, ascending=True).abs()
 
     def exact_select(self, flat: Tensor | Segments) -> Tensor:
         """Indices of the ``k`` largest ``|flat|`` by ``torch.topk`` (unordered)."""
