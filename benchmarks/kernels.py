@@ -12,7 +12,8 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
   pieces (a unit of two layers in DDP's buckets): independent positions (one 32-bit draw each, ``floor(b d / 2^32)``)
   against the stratified ones, which come in order and are read in runs;
 * Top-k's whole compress at density 0.01 of that tensor in two pieces, with the sample independent against
-  stratified;
+  stratified (this and ATOMO's compress lines: medians of ``3 * --repeats`` calls alternated with the other way's,
+  and the median of their paired differences, which a slow spell of the machine cannot bend);
 * Top-k's candidates ``|x| >= thr`` at density 0.01 through per-block maxima against one streamed pass,
   and the streamed pass's test on one chunk: ``abs`` then ``>=`` against ``hardshrink`` then a cast;
 * the fp16 wire's summand ``x / P`` rounded to float16: one mixed-dtype multiply against ``scaled_cast``;
@@ -23,8 +24,8 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 * Elias-Fano's low bits of 250,000 indices (6 bits each, density 0.01) packed and unpacked through int64 words
   against byte columns, eight values to ``width`` bytes;
 * ATOMO's atoms of a 512 x 3072 gradient of rank 32 (a linear layer's, batch 32): the exact decomposition
-  against the sketched one, and the atoms drawn added into a bucket through their dense matrix against one
-  ``addmm_``;
+  against the sketched one; its compress, and a 512 x 512 one's, with every atom of the sketch formed against
+  only the atoms drawn; and the atoms drawn added into a bucket through their dense matrix against one ``addmm_``;
 * QSGD's 4-bit levels packed a pair at a time against as int16 lanes;
 * the entries at 250,000 ascending int32 positions of the 25M-element tensor (Top-k's values): ``x[positions]``
   against ``index_select``;
@@ -44,7 +45,7 @@ QSGD's draw of a layer's levels.
 from __future__ import annotations
 
 import torch
-from timing import best_ms, kernel_device, kernel_parser
+from timing import best_ms, kernel_device, kernel_parser, paired_ms
 
 from lightning_gradcomp.core.comm.gtopk import SparseSet, merge
 from lightning_gradcomp.core.compressors import blocks, qsgd
@@ -66,7 +67,7 @@ from lightning_gradcomp.core.compressors.kernels import (
 )
 from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.segments import Segments, take
-from lightning_gradcomp.core.compressors.spectral import spectral_decomposition
+from lightning_gradcomp.core.compressors.spectral import DenseAtoms, SketchedAtoms, spectral_decomposition
 from lightning_gradcomp.core.compressors.ternary import stochastic_levels
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, kth_smallest
 from lightning_gradcomp.core.randomness import CounterStream, unsigned_of
@@ -79,6 +80,30 @@ def independent_positions(stream: CounterStream, high: int, count: int = 1 << 16
     """``count`` independent positions in ``[0, high)``, ``floor(b high / 2^32)`` of one 32-bit draw ``b`` each: Top-k's
     sample before it was stratified."""
     return unsigned_of(stream.bits(count)).mul_(high).bitwise_right_shift_(32)
+
+
+class EveryAtomFormed(AtomoCompressor):
+    """ATOMO forming all ``m`` atoms of a sketch into buffers kept per shape, the payload copying the kept ones out:
+    the compress before the atoms were kept in factors (the same atoms)."""
+
+    def __init__(self, budget: float) -> None:
+        super().__init__(budget)
+        self._formed: dict[int, torch.Tensor] = {}
+
+    def _decompose(self, x: torch.Tensor, reuse: bool) -> object:
+        atoms = super()._decompose(x, reuse)
+        if not isinstance(atoms, SketchedAtoms):
+            return atoms
+        m, r = atoms.vectors.shape
+        if m not in self._formed:
+            self._formed[m] = torch.empty(m, m, dtype=atoms.vectors.dtype, device=atoms.vectors.device)
+        u = torch.eye(m, out=self._formed[m])
+        u.addmm_(atoms.weights, atoms.vectors.T, alpha=-1)
+        u[:, :r] = u[:, :r] @ atoms.top_u
+        vh, residual_sigma = atoms.coordinates, atoms.sigma[r:]
+        vh[:r] = atoms.top_vh
+        vh[r:] /= torch.where(residual_sigma > 0, residual_sigma, 1.0).unsqueeze(1)
+        return DenseAtoms(u, atoms.sigma, vh)
 
 
 class IndependentSample(TopKCompressor):
@@ -124,6 +149,8 @@ def main() -> None:
     layer = (torch.randn(512, 32, generator=generator) @ torch.randn(32, 3072, generator=generator)).to(device)
     atomo = AtomoCompressor(3)
     atoms = atomo.compress(layer, torch.Generator(device=device).manual_seed(1))
+    every_atom = EveryAtomFormed(3)
+    square = (torch.randn(512, 32, generator=generator) @ torch.randn(32, 512, generator=generator)).to(device)
     bucket = torch.zeros(layer.numel(), device=device)
     pairs = [
         (
@@ -143,11 +170,6 @@ def main() -> None:
                 "stratified, read in runs",
                 lambda: take(pieces, stratified_positions(CounterStream(7, device), numel, 1 << 16, device), True),
             ),
-        ),
-        (
-            f"Top-k's compress at density 0.01 of {args.numel} entries in two pieces",
-            ("independent sample", lambda: IndependentSample(0.01).compress(pieces, CounterStream(7, device))),
-            ("stratified sample", lambda: TopKCompressor(0.01).compress(pieces, CounterStream(7, device))),
         ),
         (
             "Top-k candidates |x| >= thr at density 0.01",
@@ -236,13 +258,37 @@ def main() -> None:
         ("gTop-k's merge of two sets of 250,000 entries", lambda: merge(*sets, 250_000)),
         (f"QSGD's levels drawn, {LAYER} entries", lambda: stochastic_levels(gradient, multipliers, 512, draws)),
     ]
+    paired = [
+        (
+            f"Top-k's compress at density 0.01 of {args.numel} entries in two pieces",
+            ("independent sample", lambda: IndependentSample(0.01).compress(pieces, CounterStream(7, device))),
+            ("stratified sample", lambda: TopKCompressor(0.01).compress(pieces, CounterStream(7, device))),
+        ),
+        (
+            "ATOMO's compress of a 512 x 3072 gradient of rank 32",
+            ("every atom formed", lambda: every_atom.compress(layer, torch.Generator(device=device).manual_seed(1))),
+            ("the atoms drawn formed", lambda: atomo.compress(layer, torch.Generator(device=device).manual_seed(1))),
+        ),
+        (
+            "ATOMO's compress of a 512 x 512 gradient of rank 32",
+            ("every atom formed", lambda: every_atom.compress(square, torch.Generator(device=device).manual_seed(1))),
+            ("the atoms drawn formed", lambda: atomo.compress(square, torch.Generator(device=device).manual_seed(1))),
+        ),
+    ]
     where = f"one CPU thread ({vector_isa()})" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"{where}, best of {args.repeats} (ms)")
     pairs = [pair for pair in pairs if args.only in pair[0]]
+    paired = [pair for pair in paired if args.only in pair[0]]
     singles = [single for single in singles if args.only in single[0]]
     for what, (slow_name, slow), (fast_name, fast) in pairs:
         slow_ms, fast_ms = best_ms(slow, args.repeats, device), best_ms(fast, args.repeats, device)
         print(f"{what}: {slow_name} {slow_ms:.2f}, {fast_name} {fast_ms:.2f} ({slow_ms / fast_ms:.1f}x)")
+    for what, (slow_name, slow), (fast_name, fast) in paired:
+        slow_ms, fast_ms, saved = paired_ms(slow, fast, 3 * args.repeats, device)
+        print(
+            f"{what}, medians of {3 * args.repeats} alternated calls: {slow_name} {slow_ms:.2f}, {fast_name} "
+            f"{fast_ms:.2f}, paired difference {saved:.2f}"
+        )
     for what, fn in singles:
         print(f"{what}: {best_ms(fn, args.repeats, device):.2f}")
 

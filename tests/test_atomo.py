@@ -31,7 +31,8 @@ from lightning_gradcomp.core.compressors.atomo import (
     sampling_variance,
     spectral_decomposition,
 )
-from lightning_gradcomp.core.compressors.spectral import sketched_decomposition
+from lightning_gradcomp.core.compressors.draws import uniform
+from lightning_gradcomp.core.compressors.spectral import sketched_atoms
 from lightning_gradcomp.core.memory import NoMemory
 from lightning_gradcomp.ddp.hook import GradCompHook, gradcomp_comm_hook
 
@@ -521,11 +522,11 @@ def _spy_sketches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]
     def spy(
         matrix: torch.Tensor, test_matrix: torch.Tensor, slack: float, power_iterations: int, out: object
     ) -> object:
-        atoms = sketched_decomposition(matrix, test_matrix, slack, power_iterations, out)
+        atoms = sketched_atoms(matrix, test_matrix, slack, power_iterations, out)
         tried.append((test_matrix.shape[1], power_iterations, atoms is not None))
         return atoms
 
-    monkeypatch.setattr(atomo_module, "sketched_decomposition", spy)
+    monkeypatch.setattr(atomo_module, "sketched_atoms", spy)
     return tried
 
 
@@ -594,6 +595,37 @@ def test_a_power_iteration_rescues_a_decaying_spectrum_the_plain_sketch_misses(m
     u, sigma, vh = AtomoCompressor(3).decompose(x)
     assert tried == [(32, 0, False), (32, 1, True)]
     assert float((u @ torch.diag(sigma) @ vh - x).norm() / x.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(256, 700), (700, 256)])
+def test_the_atoms_formed_from_a_sketchs_factors_are_its_full_decompositions(shape: tuple[int, int]) -> None:
+    """What the payload carries (only the atoms drawn, formed from the basis's factors) against the same sketch's
+    atoms in full: top atoms (below the sketch's rank) and residual ones, in a wide and a tall layer, equal to the
+    rounding of the products that form them (float64: one part in 1e12 of a unit vector's entries)."""
+    x = _low_rank(*shape, 40, 1e-3, torch.float64, seed=9)
+    side = x if shape[0] <= shape[1] else x.T
+    test_matrix = torch.randn(side.shape[1], 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    atoms = sketched_atoms(side, test_matrix, slack=10.0, power_iterations=0)
+    assert atoms is not None
+    u, sigma, vh = atoms.dense()
+    assert torch.equal(sigma, atoms.sigma)
+    assert float((u @ torch.diag(sigma) @ vh - side).abs().max()) < 1e-10 * float(side.abs().max())
+    kept = torch.tensor([0, 5, 31, 32, 33, 100, side.shape[0] - 1])
+    u_rows, vh_rows = atoms.rows(kept)
+    assert u_rows.shape == (7, side.shape[0]) and vh_rows.shape == (7, side.shape[1])
+    assert float((u_rows - u[:, kept].T).abs().max()) < 1e-12
+    assert float((vh_rows - vh[kept]).abs().max()) < 1e-12
+    nothing = atoms.rows(torch.empty(0, dtype=torch.long))
+    assert nothing[0].shape == (0, side.shape[0]) and nothing[1].shape == (0, side.shape[1])
+    # the payload's atoms are those rows of the layer's own decomposition (a tall one's through its transpose)
+    compressor, layer = AtomoCompressor(3), x.float()
+    payload = compressor.compress(layer, torch.Generator().manual_seed(5))
+    full_u, full_sigma, full_vh = compressor.decompose(layer)
+    p = compressor.probabilities(full_sigma)
+    drawn = torch.nonzero(uniform(torch.Generator().manual_seed(5), p.numel(), p.device, p.dtype) < p).reshape(-1)
+    assert payload.atoms == drawn.numel() > 0
+    assert torch.allclose(payload.u, full_u[:, drawn].T, atol=1e-5)
+    assert torch.allclose(payload.v, full_vh[drawn], atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(256, 700), (700, 256)])

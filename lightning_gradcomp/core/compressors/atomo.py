@@ -30,8 +30,9 @@ Choices of this implementation (each one documented where it happens):
   samples in the batch, which the sketch captures whole, so each rank is first tried without a
   power iteration (two fifths of the products) and then with one: on a 512 x 3072 layer (batch
   32) the atoms cost 7.2 ms instead of 64 ms on one CPU thread, with the same variance. A sketch
-  writes its atoms to two buffers kept per shape, out of which the payload copies the kept ones
-  (a fresh ``(m, n)`` tensor's first touch cost more than the product that fills it). Other layers, and
+  writes its coordinates to a buffer kept per shape (a fresh ``(m, n)`` tensor's first touch cost more than the
+  product that fills it) and keeps its basis in factors, out of which only the atoms drawn are formed
+  (:class:`~lightning_gradcomp.core.compressors.spectral.SketchedAtoms`). Other layers, and
   ``decomposition="full"``, take the exact decomposition (the authors' full SVD, computed through
   the Gram matrix).
 * **Matrix view**: a tensor of shape ``(out, d1, d2, ...)`` becomes ``(out, d1 * d2 * ...)``:
@@ -71,7 +72,13 @@ from lightning_gradcomp.core.compressors.base import Compressor, Payload, all_fi
 from lightning_gradcomp.core.compressors.draws import Draws, uniform
 from lightning_gradcomp.core.compressors.identity import DensePayload
 from lightning_gradcomp.core.compressors.sparse import itemsize
-from lightning_gradcomp.core.compressors.spectral import sketched_decomposition, spectral_decomposition
+from lightning_gradcomp.core.compressors.spectral import (
+    DenseAtoms,
+    SketchedAtoms,
+    TransposedAtoms,
+    sketched_atoms,
+    spectral_decomposition,
+)
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.validation import check_choice, check_int, check_number
 
@@ -252,7 +259,7 @@ class AtomoCompressor(Compressor):
         self.decomposition = check_choice("decomposition", decomposition, DECOMPOSITIONS)
         self.sketch_rank = check_int("sketch_rank", sketch_rank, 1, note="the first rank a sketch tries")
         self._test_matrices: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
-        self._workspaces: dict[tuple[int, int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+        self._workspaces: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
 
     def matrix_shape(self, shape: torch.Size, dtype: torch.dtype) -> tuple[int, int] | None:
         """The ``(m, n)`` view a tensor of ``shape`` is decomposed as, or ``None`` when it travels dense.
@@ -276,11 +283,11 @@ class AtomoCompressor(Compressor):
         Orthonormal atoms that sum to the matrix (``decomposition``); the same ``x`` always gets the
         same atoms: the sketches' test matrices are drawn once, from a fixed seed.
         """
-        return self._decompose(x, reuse=False)
+        return self._decompose(x, reuse=False).dense()
 
-    def _decompose(self, x: Tensor, reuse: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`decompose`; with ``reuse`` a sketch's ``U`` and ``Vh`` fill buffers kept per shape (valid until the
-        next call)."""
+    def _decompose(self, x: Tensor, reuse: bool) -> DenseAtoms | SketchedAtoms | TransposedAtoms:
+        """:meth:`decompose`'s atoms, a sketch's in factors (only the atoms kept are formed); with ``reuse`` a
+        sketch's coordinates fill a buffer kept per shape (valid until the next call)."""
         matrix = self.matrix_shape(x.shape, x.dtype)
         if matrix is None:
             raise ValueError(f"a tensor of shape {tuple(x.shape)} and {x.dtype} travels dense; it has no ATOMO atoms")
@@ -290,7 +297,7 @@ class AtomoCompressor(Compressor):
         rank = self.sketch_rank
         while self.decomposition == "sketched" and 4 * rank <= side.shape[0]:
             for power_iterations in SKETCH_POWER_ITERATIONS:
-                atoms = sketched_decomposition(
+                atoms = sketched_atoms(
                     side,
                     self._test_matrix(side, rank),
                     SKETCH_SLACK,
@@ -298,10 +305,9 @@ class AtomoCompressor(Compressor):
                     self._workspace(side) if reuse else None,
                 )
                 if atoms is not None:
-                    u, sigma, vh = atoms
-                    return (u, sigma, vh) if wide else (vh.T, sigma, u.T)
+                    return atoms if wide else TransposedAtoms(atoms)
             rank *= 2
-        return spectral_decomposition(a)
+        return DenseAtoms(*spectral_decomposition(a))
 
     def _test_matrix(self, side: Tensor, rank: int) -> Tensor:
         """The ``(n, rank)`` Gaussian test matrix of a sketch, drawn once per shape from a fixed seed."""
@@ -311,15 +317,11 @@ class AtomoCompressor(Compressor):
             self._test_matrices[key] = torch.randn(key[:2], generator=gen, dtype=side.dtype).to(side.device)
         return self._test_matrices[key]
 
-    def _workspace(self, side: Tensor) -> tuple[Tensor, Tensor]:
-        """The ``(m, m)`` and ``(m, n)`` buffers that sketches of the wide ``side`` write their atoms into."""
+    def _workspace(self, side: Tensor) -> Tensor:
+        """The ``(m, n)`` buffer that sketches of the wide ``side`` write their coordinates into."""
         key = (*side.shape, side.dtype, side.device)
         if key not in self._workspaces:
-            m, n = side.shape
-            self._workspaces[key] = (
-                torch.empty(m, m, dtype=side.dtype, device=side.device),
-                torch.empty(m, n, dtype=side.dtype, device=side.device),
-            )
+            self._workspaces[key] = torch.empty_like(side)
         return self._workspaces[key]
 
     def probabilities(self, singular_values: Tensor) -> Tensor:
@@ -339,12 +341,13 @@ class AtomoCompressor(Compressor):
                 torch.ones((1, n), dtype=atom_dtype, device=x.device),
             )
             return AtomoPayload(ones[0], ones[1], nan, x.shape, x.dtype)
-        u, sigma, vh = self._decompose(x, reuse=True)  # the payload copies the kept atoms out
+        atoms = self._decompose(x, reuse=True)
+        sigma = atoms.sigma
         p = self.probabilities(sigma)
         draws = uniform(generator, p.numel(), p.device, p.dtype).view(p.shape)
         kept = torch.nonzero(draws < p).reshape(-1)  # p = 0 (sigma = 0) is never kept, p = 1 always
         coefficients = (sigma[kept].double() / p[kept]).to(atom_dtype)
-        return AtomoPayload(u[:, kept].T.contiguous(), vh[kept].contiguous(), coefficients, x.shape, x.dtype)
+        return AtomoPayload(*atoms.rows(kept), coefficients, x.shape, x.dtype)  # the kept atoms alone, formed anew
 
     def unpack(self, buffer: Tensor, shape: torch.Size, dtype: torch.dtype) -> AtomoPayload | DensePayload:
         matrix = self.matrix_shape(shape, dtype)

@@ -11,7 +11,7 @@ Two ways to build such a basis, one job each:
 
 * :func:`spectral_decomposition`: the exact singular atoms, through the eigenvectors of the Gram
   matrix of the smaller side (``O(m^2 n + m^3)``).
-* :func:`sketched_decomposition`: a randomized range finder (Halko, Martinsson and Tropp, SIAM
+* :func:`sketched_atoms`: a randomized range finder (Halko, Martinsson and Tropp, SIAM
   Review 2011, Alg. 4.1, or Alg. 4.4 with power iterations) finds the ``r`` dominant left directions; their
   Householder reflectors complete them to an orthonormal basis of the whole side, applied in the
   compact WY form ``H = I - V T V^T`` (Joffrain et al., ACM TOMS 2006): ``O(m n r)`` for a rank-``r``
@@ -22,6 +22,8 @@ Two ways to build such a basis, one job each:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -78,14 +80,96 @@ def _orthonormal_basis(a: Tensor) -> Tensor:
     return torch.linalg.svd(a, full_matrices=False).U
 
 
-def sketched_decomposition(
+@dataclass(frozen=True)
+class DenseAtoms:
+    """Atoms held in full: ``matrix = u diag(sigma) vh``."""
+
+    u: Tensor
+    sigma: Tensor
+    vh: Tensor
+
+    def rows(self, kept: Tensor) -> tuple[Tensor, Tensor]:
+        """The atoms ``kept`` (ascending positions): their ``u`` columns and ``vh`` rows, as rows of new tensors."""
+        return self.u[:, kept].T.contiguous(), self.vh[kept].contiguous()
+
+    def dense(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``u, sigma, vh``."""
+        return self.u, self.sigma, self.vh
+
+
+@dataclass(frozen=True)
+class TransposedAtoms:
+    """The atoms of ``matrix.T`` given those of ``matrix`` (a tall matrix is decomposed through its wide transpose):
+    ``u`` and ``vh`` trade places."""
+
+    atoms: DenseAtoms | SketchedAtoms
+
+    @property
+    def sigma(self) -> Tensor:
+        return self.atoms.sigma
+
+    def rows(self, kept: Tensor) -> tuple[Tensor, Tensor]:
+        u_rows, vh_rows = self.atoms.rows(kept)
+        return vh_rows, u_rows
+
+    def dense(self) -> tuple[Tensor, Tensor, Tensor]:
+        u, sigma, vh = self.atoms.dense()
+        return vh.T, sigma, u.T
+
+
+@dataclass(frozen=True)
+class SketchedAtoms:
+    """The atoms of a sketch (:func:`sketched_atoms`) kept in factors, so that ATOMO forms only the few it keeps.
+
+    The basis is ``H = I - G V^T`` (``V``: the sketch's Householder vectors, ``G = V T``). Atom ``j < r`` is the top
+    block's: ``u_j = H[:, :r] top_u[:, j]``, ``v_j^T = top_vh[j]``; atom ``j >= r`` is the residual's coordinate along
+    ``H``'s column ``j``: ``u_j = H e_j``, ``v_j^T = C[j] / sigma_j`` with ``C = H^T A``. Forming all ``m`` columns
+    of ``H`` costs an ``m x m x r`` product and all ``m - r`` residual rows a pass over ``C``; the ``s`` or so atoms
+    kept cost ``m r s`` and ``n s``."""
+
+    sigma: Tensor
+    vectors: Tensor
+    weights: Tensor
+    top_u: Tensor
+    top_vh: Tensor
+    coordinates: Tensor
+
+    def rows(self, kept: Tensor) -> tuple[Tensor, Tensor]:
+        """The atoms ``kept`` (ascending positions): ``u_j`` as rows ``(k, m)`` and ``v_j^T`` as rows ``(k, n)``,
+        without reading a count back (each position picks its formula by a mask)."""
+        m, r = self.vectors.shape
+        top = kept < r
+        columns = torch.arange(kept.numel(), device=kept.device)
+        # w_j: top_u's column j in the top block for j < r, e_j for j >= r; then u_j = H w_j = w_j - G (V^T w_j)
+        w = torch.zeros(m, kept.numel(), dtype=self.top_u.dtype, device=self.top_u.device)
+        w[:r] = self.top_u[:, kept.clamp(max=r - 1)] * top.to(w.dtype)
+        w.index_put_((kept, columns), (~top).to(w.dtype), accumulate=True)
+        u_rows = torch.addmm(w, self.weights, self.vectors.T @ w, alpha=-1).T.contiguous()
+        sigma = self.sigma[kept]
+        residual = self.coordinates[kept] / torch.where(sigma > 0, sigma, 1.0).unsqueeze(1)
+        vh_rows = torch.where(top.unsqueeze(1), self.top_vh[kept.clamp(max=r - 1)], residual)
+        return u_rows, vh_rows
+
+    def dense(self) -> tuple[Tensor, Tensor, Tensor]:
+        """All ``m`` atoms: ``U`` (``m x m``, orthonormal), ``S`` and ``Vh``, as new tensors."""
+        m, r = self.vectors.shape
+        u = torch.eye(m, dtype=self.vectors.dtype, device=self.vectors.device)
+        u.addmm_(self.weights, self.vectors.T, alpha=-1)  # H
+        u[:, :r] = u[:, :r] @ self.top_u
+        residual_sigma = self.sigma[r:]
+        below = self.coordinates[r:] / torch.where(residual_sigma > 0, residual_sigma, 1.0).unsqueeze(1)
+        return u, self.sigma, torch.cat([self.top_vh, below])
+
+
+def sketched_atoms(
     matrix: Tensor,
     test_matrix: Tensor,
     slack: float,
     power_iterations: int = 1,
-    out: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """``U, S, Vh`` with ``matrix = U diag(S) Vh`` from a rank-``r`` sketch, or ``None`` when its residual is too large.
+    out: Tensor | None = None,
+) -> SketchedAtoms | None:
+    """The atoms of ``matrix`` from a rank-``r`` sketch, in factors (:class:`SketchedAtoms`), or ``None`` when its
+    residual is too large.
 
     ``matrix`` is wide ``(m, n)``, ``m <= n``; ``test_matrix`` is ``(n, r)`` with ``r < m``. The sketch
     is the range of ``(A A^T)^q A Omega`` for ``q = power_iterations`` (Halko et al., Alg. 4.1 for
@@ -97,8 +181,8 @@ def sketched_decomposition(
     residual's coordinates along the completing Householder directions (module docstring), in
     their basis order. ``None`` when those coordinates' norms sum to more than ``slack`` times the
     first ``r`` singular values' sum: the caller then sketches a larger rank or decomposes exactly.
-    ``out``: an ``(m, m)`` and an ``(m, n)`` tensor that receive ``U`` and ``Vh`` (kept between calls,
-    they spare two fresh allocations, whose first touch costs more than their arithmetic).
+    ``out``: an ``(m, n)`` tensor that receives ``H^T A`` (kept between calls, it spares a fresh allocation, whose
+    first touch costs more than its arithmetic); the atoms read it until the next call that writes it.
     """
     m = matrix.shape[0]
     r = test_matrix.shape[1]
@@ -114,17 +198,11 @@ def sketched_decomposition(
     # T itself is r x r and triangular: inverted once, it turns both applications of H into products
     t_inverse = torch.triu(vectors.T @ vectors, 1) + torch.diag(torch.where(trivial, 1.0, 1.0 / tau))
     t = torch.linalg.solve_triangular(t_inverse, torch.eye(r, dtype=matrix.dtype, device=matrix.device), upper=True)
-    u_out, vh_out = (None, None) if out is None else out
     # H^T A = A - V T^T V^T A
-    coordinates = torch.addmm(matrix, vectors @ t.T, vectors.T.contiguous() @ matrix, alpha=-1, out=vh_out)
+    coordinates = torch.addmm(matrix, vectors @ t.T, vectors.T.contiguous() @ matrix, alpha=-1, out=out)
     residual_sigma = torch.linalg.vector_norm(coordinates[r:], dim=1)  # below the sketched directions
     top_u, top_sigma, top_vh = spectral_decomposition(coordinates[:r])
     if float(residual_sigma.sum()) > slack * float(top_sigma.sum()):
         return None
-    u = torch.eye(m, dtype=matrix.dtype, device=matrix.device, out=u_out)
-    u.addmm_(vectors @ t, vectors.T, alpha=-1)  # H
-    u[:, :r] = u[:, :r] @ top_u
-    vh = coordinates
-    vh[:r] = top_vh
-    vh[r:] /= torch.where(residual_sigma > 0, residual_sigma, 1.0).unsqueeze(1)
-    return u, torch.cat([top_sigma, residual_sigma]), vh
+    sigma = torch.cat([top_sigma, residual_sigma])
+    return SketchedAtoms(sigma, vectors, vectors @ t, top_u, top_vh, coordinates)
