@@ -67,7 +67,12 @@ from lightning_gradcomp.core.compressors.kernels import (
 )
 from lightning_gradcomp.core.compressors.precision import scaled_cast
 from lightning_gradcomp.core.compressors.segments import Segments, take
-from lightning_gradcomp.core.compressors.spectral import DenseAtoms, SketchedAtoms, spectral_decomposition
+from lightning_gradcomp.core.compressors.spectral import (
+    DenseAtoms,
+    SketchedAtoms,
+    TransposedAtoms,
+    spectral_decomposition,
+)
 from lightning_gradcomp.core.compressors.ternary import stochastic_levels
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, kth_smallest
 from lightning_gradcomp.core.randomness import CounterStream, unsigned_of
@@ -92,6 +97,11 @@ class EveryAtomFormed(AtomoCompressor):
 
     def _decompose(self, x: torch.Tensor, reuse: bool) -> object:
         atoms = super()._decompose(x, reuse)
+        if isinstance(atoms, TransposedAtoms):  # a tall layer: its transpose's atoms, formed, then traded back
+            return TransposedAtoms(self._formed_in_full(atoms.atoms))
+        return self._formed_in_full(atoms)
+
+    def _formed_in_full(self, atoms: object) -> object:
         if not isinstance(atoms, SketchedAtoms):
             return atoms
         m, r = atoms.vectors.shape

@@ -608,7 +608,6 @@ def test_the_atoms_formed_from_a_sketchs_factors_are_its_full_decompositions(sha
     atoms = sketched_atoms(side, test_matrix, slack=10.0, power_iterations=0)
     assert atoms is not None
     u, sigma, vh = atoms.dense()
-    assert torch.equal(sigma, atoms.sigma)
     assert float((u @ torch.diag(sigma) @ vh - side).abs().max()) < 1e-10 * float(side.abs().max())
     kept = torch.tensor([0, 5, 31, 32, 33, 100, side.shape[0] - 1])
     u_rows, vh_rows = atoms.rows(kept)

@@ -321,7 +321,7 @@ class AtomoCompressor(Compressor):
         """The ``(m, n)`` buffer that sketches of the wide ``side`` write their coordinates into."""
         key = (*side.shape, side.dtype, side.device)
         if key not in self._workspaces:
-            self._workspaces[key] = torch.empty_like(side)
+            self._workspaces[key] = torch.empty(side.shape, dtype=side.dtype, device=side.device)  # row-major
         return self._workspaces[key]
 
     def probabilities(self, singular_values: Tensor) -> Tensor:
