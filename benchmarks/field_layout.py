@@ -110,7 +110,8 @@ def byte_signs_residual_(out: Tensor, compensated: Tensor, packed: Tensor, scale
 
 
 def byte_encode_signs(flat: Tensor) -> tuple[Tensor, Tensor]:
-    """EF-sign's magnitude and its signs in planar bytes (``encode_signs`` as it was)."""
+    """EF-sign's magnitude (today's ``encode_signs``' sum) and its signs in planar bytes: the encoder's bytes
+    form, beside its words."""
     return _sign_magnitude(flat, False), byte_rows(torch.where(flat >= 0, 1, 0).to(torch.int32), 8)
 
 

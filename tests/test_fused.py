@@ -312,3 +312,14 @@ def test_codes_drawn_into_their_words_are_the_codes_drawn_then_packed(
     expected = pack_fields(codes.to(torch.int32) + bias, per_byte, bias)
     drawn = draw_packed_codes.eager(*arguments, bias, per_byte, bias)
     assert torch.equal(drawn, expected) and int((codes != 0).sum()) > x.numel() // 10
+
+
+def test_a_big_endian_machine_runs_the_codec_kernels_eagerly(
+    mode: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernels read the planar codes as words in the machine's byte order, the eager codecs as little-endian
+    bytes: only a little-endian machine compiles them, whatever the mode."""
+    mode("compiled")
+    assert fused_module.compiles_on(torch.device("cpu"))
+    monkeypatch.setattr(fused_module.sys, "byteorder", "big")
+    assert not fused_module.compiles_on(torch.device("cpu"))

@@ -23,6 +23,7 @@ The setting: :func:`set_codec_mode` or the environment variable ``GRADCOMP_CODEC
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -61,8 +62,10 @@ def codec_mode() -> str:
 
 
 def compiles_on(device: torch.device) -> bool:
-    """Whether kernels on ``device`` run compiled: as the mode says, unless compiling failed there before."""
-    return codec_mode() != "eager" and device.type not in _broken
+    """Whether kernels on ``device`` run compiled: as the mode says, unless compiling failed there before, and only on
+    a little-endian machine (the kernels read the planar codes as words in the machine's order, the eager codecs as
+    little-endian bytes: :mod:`~lightning_gradcomp.core.compressors.planar`)."""
+    return codec_mode() != "eager" and device.type not in _broken and sys.byteorder == "little"
 
 
 class FusedKernel:
@@ -132,7 +135,7 @@ class FusedKernel:
 #: CPU, 30 on GPUs). A codec's draw is one long expression per element (a hash, the decision, the packing): under
 #: the default, QSGD's 4-bit draw with a multiplier per block wrote its decisions as three bool planes of the layer's
 #: size and read them back in a second loop: 721.6 ms a 4096 x 4096 layer on one AMD EPYC thread, 39.5 fused
-#: (``benchmarks/field_layout.py``, run before and after the change).
+#: (``benchmarks/field_layout.py`` run before and after the change; the docs' speed page, twelfth round).
 INLINED_OPERATIONS = 1000
 
 

@@ -17,7 +17,7 @@ compiler emits go through a buffer on the stack, a float32 load is one instructi
 :func:`field_positions` are the eager forms, a cache-sized chunk of rows at a time, which address bytes: byte ``j``
 of a word holds its fields ``j * per_byte ..``, whatever the machine's byte order. The kernels read the words in the
 machine's order, so compiled and eager agree on little-endian machines (every platform torch ships CPU and CUDA
-wheels for but s390x).
+wheels for but s390x); on a big-endian one the kernels run eagerly (:func:`~lightning_gradcomp.core.fused.compiles_on`).
 """
 
 from __future__ import annotations
@@ -65,23 +65,26 @@ def words_of(packed: Tensor) -> Tensor:
     return packed.view(torch.float32).view(torch.int32)
 
 
+def _field_shifts(per_byte: int, device: torch.device) -> Tensor:
+    """Each field's shift within a word, ``(1, per_word, 1)`` (int32): field ``k`` holds bits ``k w ..``."""
+    per_word = WORD * per_byte
+    return (8 // per_byte) * torch.arange(per_word, dtype=torch.int32, device=device).view(1, per_word, 1)
+
+
 def pack_rows(fields: Tensor, per_byte: int, stripe: int) -> Tensor:
     """The words (int32, flat; :meth:`Tensor.view` them as uint8 for the wire) of whole rows of ``per_word * stripe``
     int32 fields given in element order: each word's fields shifted into place and summed over the planes (distinct
     bits: the sum is their union), each plane read as whole vectors. One expression over the planes, not one per
-    plane: unrolled over 32 planes, the sign kernel took seven times as long to compile (timed by hand)."""
-    width, per_word = 8 // per_byte, WORD * per_byte
-    shifts = width * torch.arange(per_word, dtype=torch.int32, device=fields.device).view(1, per_word, 1)
-    return (fields.view(-1, per_word, stripe) << shifts).sum(1, dtype=torch.int32).reshape(-1)
+    plane, which compiles several times faster (the docs' speed page, twelfth round)."""
+    shifts = _field_shifts(per_byte, fields.device)
+    return (fields.view(-1, shifts.shape[1], stripe) << shifts).sum(1, dtype=torch.int32).reshape(-1)
 
 
 def fields_of_rows(packed: Tensor, per_byte: int, stripe: int) -> Tensor:
     """The int32 fields of whole rows' bytes (uint8, starting on a word), shaped ``(rows, per_word, stripe)``: each
     row's planes in element order, each word read once (:func:`words_of`)."""
-    width, per_word = 8 // per_byte, WORD * per_byte
     words = words_of(packed).view(-1, 1, stripe)
-    shifts = width * torch.arange(per_word, dtype=torch.int32, device=packed.device).view(1, per_word, 1)
-    return (words >> shifts) & ((1 << width) - 1)
+    return (words >> _field_shifts(per_byte, packed.device)) & ((1 << (8 // per_byte)) - 1)
 
 
 def pack_fields(fields: Tensor, per_byte: int, pad: int) -> Tensor:
@@ -104,7 +107,7 @@ def _rows_per_chunk(device: torch.device, per_byte: int) -> int:
     return max(1, chunk_for(device, STREAM_CHUNK) // row_codes(per_byte))
 
 
-def _byte_planes(packed: Tensor, stripe: int) -> Tensor:
+def byte_planes(packed: Tensor, stripe: int) -> Tensor:
     """The bytes of whole rows (or of one partial row of ``stripe`` words) as ``(rows, WORD, stripe)``: byte ``j`` of
     each of a row's words, a strided view."""
     return packed.view(-1, stripe, WORD).transpose(1, 2)
@@ -116,7 +119,7 @@ def _pack_biased_(out: Tensor, codes: Tensor, per_byte: int, stripe: int, bias: 
     ``j * per_byte ..``."""
     width = 8 // per_byte
     planes = codes.view(-1, WORD, per_byte, stripe)
-    target = _byte_planes(out, stripe)
+    target = byte_planes(out, stripe)
     torch.add(planes[:, :, 0], bias, out=target)
     for k in range(1, per_byte):
         target |= (planes[:, :, k] + bias) << (width * k)
@@ -147,7 +150,7 @@ def _fields_of(packed: Tensor, per_byte: int, stripe: int, out: Tensor) -> Tenso
     """``out`` (uint8, ``per_byte`` fields per byte of ``packed``) set to the fields of those whole rows in element
     order, one plane at a time."""
     width, mask = 8 // per_byte, (1 << (8 // per_byte)) - 1
-    rows = _byte_planes(packed, stripe)
+    rows = byte_planes(packed, stripe)
     planes = out.view(-1, WORD, per_byte, stripe)
     for k in range(per_byte):
         torch.bitwise_and(rows >> (width * k), mask, out=planes[:, :, k])

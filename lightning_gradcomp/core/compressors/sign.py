@@ -17,9 +17,7 @@ large tensors. The words are planar rows (:mod:`~lightning_gradcomp.core.compres
 signs are cut into rows of ``32 * 512`` (:data:`~lightning_gradcomp.core.compressors.kernels.SIGN_ROW`), each in 512
 words, bit ``k`` of word ``v`` holding the row's sign ``v + 512 k``; the last, partial row of ``m`` signs is cut the
 same way into stripes of ``ceil(m / 32)`` words. So each of a row's 32 bit planes is a contiguous run of elements,
-which compiled loops read and write as whole vectors: on an AMD EPYC (one thread), the compiled mean of two ranks'
-signs of a 4096 x 4096 layer took 42.3 ms from planar bytes (8 signs each) and 11.4 from planar words, a copy of
-the layer 9.5 (``benchmarks/field_layout.py``).
+which compiled loops read and write as whole vectors (the planar module gives what that saves).
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from lightning_gradcomp.core.compressors.kernels import (
     sign_row_split,
     subtract_signs_,
 )
-from lightning_gradcomp.core.compressors.planar import WORD, planar_nbytes, word_aligned
+from lightning_gradcomp.core.compressors.planar import WORD, byte_planes, planar_nbytes, word_aligned
 from lightning_gradcomp.core.compressors.wire import ByteReader, own_payload, to_bytes
 from lightning_gradcomp.core.fused import compiles_on
 from lightning_gradcomp.core.validation import check_choice
@@ -64,12 +62,13 @@ def sign_nbytes(numel: int) -> int:
 
 
 def _pack_rows_(out: Tensor, flat: Tensor, stripe: int) -> None:
-    """Eagerly, :func:`~lightning_gradcomp.core.compressors.kernels.sign_rows` into the bytes ``out``: byte ``j`` of a
-    word is the bits of the row's stripes ``8 j .. 8 j + 7`` weighted by ``2^i`` and summed (distinct bits: the sum is
-    their union), in bytes throughout (eight times faster here than the kernel's shifts of int32, run eagerly)."""
+    """Eagerly, :func:`~lightning_gradcomp.core.compressors.kernels.sign_rows` into the bytes ``out``: byte ``j``
+    of a word is the bits of the row's stripes ``8 j .. 8 j + 7`` weighted by ``2^i`` and summed (distinct bits:
+    the sum is their union), in bytes throughout (eight times faster here than the kernel's shifts of int32, run
+    eagerly)."""
     bits = torch.ge(flat, 0).view(-1, WORD, 8, stripe).view(torch.uint8)
     summed = (bits * _BIT_WEIGHTS.to(flat.device)).sum(2, dtype=torch.uint8)
-    out.view(-1, stripe, WORD).transpose(1, 2).copy_(summed)
+    byte_planes(out, stripe).copy_(summed)
 
 
 def pack_signs(flat: Tensor, out: Tensor | None = None) -> Tensor:
@@ -276,8 +275,9 @@ class ScaledSignCompressor(Compressor):
         ``scratch`` (:func:`~lightning_gradcomp.core.compressors.wire.own_payload`): no copy to send them."""
         flat = x.detach().reshape(-1)
         nbytes = sign_nbytes(flat.numel())
-        if compiles_on(flat.device):  # one fused pass for the norm and the bits, then copied where they travel (a
-            # kernel that stored them there itself wrote them as int32 first, 4x the bytes, and converted them after)
+        if compiles_on(flat.device):  # one fused pass for the norm and the bits, then copied where they travel
+            # (with the bits in bytes, a kernel storing them there itself wrote int32 first and converted them after;
+            # not measured again since the bits became words)
             magnitude, bits = encode_signs(flat, self.magnitude == "rms")
             wire, header, region = own_payload(scratch, magnitude.reshape(1), nbytes)
             return SignPayload(header[0], region.copy_(bits.view(torch.uint8)), x.shape, x.dtype, wire)

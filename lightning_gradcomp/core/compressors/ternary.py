@@ -481,10 +481,9 @@ def _counter_codes(
         assert packing is not None
         done = drawn_whole(numel, multipliers.numel(), block_size, packing.per_byte)
         if done:
-            # the kernel's own bytes, then copied into the wire: stored in the wire by the kernel itself (a mutated
-            # input), inductor first wrote the fields as int32 (4x the bytes) and converted them in a second loop,
-            # whose int32 loads take a slow path on AVX2 (benchmarks/kernels.py on an AMD EPYC: 45-51 ms a 4096 x
-            # 4096 layer against 40-42)
+            # the kernel's own words, then copied into the wire: with the codes in bytes, a kernel storing them in the
+            # wire itself (a mutated input) wrote int32 fields first and converted them in a second loop (45-51 ms a
+            # 4096 x 4096 layer on an AMD EPYC against 40-42); not measured again since the codes became words
             drawn = draw_packed_codes(g[:done], multipliers, block, cap, 0, block_size, fractional, *layout)
             packed[: packing.nbytes(done)].copy_(drawn.view(torch.uint8))
         if done < numel:  # the last, partial row across several blocks, eagerly (drawn_whole says why)
