@@ -3,17 +3,19 @@
 Each row is one fresh process (so nothing an earlier row loaded is shared) that imports Lightning and the library as a
 training script does, then runs one codec's encode and decode on a bucket of ``n`` fp32 elements three times, as
 ``gpu/codecs.py`` times them (error feedback's compensation and residual where the method has them), with the kernels
-compiled or eager. It reports the resident memory that stays once the bucket's tensors are freed (``steady``: the
-compiler's modules, graphs and loaded kernels) and the peak over the calls (``peak``: the bucket's three tensors, the
-codec's temporaries and, compiled, what compiling allocates on the way), both in MiB above the process's RSS before
-the first call. Where the compiled rows exceed the eager ones by the same amount at every size, the excess is the
-compiler's own and not a temporary of the tensors' size.
+eager, built ahead of time and loaded (``ahead``: what ``auto`` does on the CPU; a build runs in a child process,
+outside the row's memory) or compiled by ``torch.compile`` in the process (``compiled``). It reports the resident
+memory that stays once the bucket's tensors are freed (``steady``: the compiler's modules, graphs and loaded kernels)
+and the peak over the calls (``peak``: the bucket's three tensors, the codec's temporaries and, compiled, what
+compiling allocates on the way), both in MiB above the process's RSS before the first call. Where the compiled rows
+exceed the eager ones by the same amount at every size, the excess is the compiler's own and not a temporary of the
+tensors' size.
 
     python benchmarks/compiler_memory.py --json benchmarks/results/compiler_memory_cpu.json
     python benchmarks/compiler_memory.py --sizes 1.84e6 2.52e7 --codecs terngrad efsign qsgd_4bit
 
-A fresh ``TORCHINDUCTOR_CACHE_DIR`` per run would make every compile cold; the rows use the machine's cache as a
-training run does.
+A fresh ``TORCHINDUCTOR_CACHE_DIR`` (and ``GRADCOMP_KERNEL_CACHE``) per run would make every compile cold; the rows
+use the machine's caches as a training run does.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=float, default=[1.84e6, 2.52e7])
     parser.add_argument("--codecs", nargs="+", default=["terngrad", "qsgd_4bit", "efsign"])
-    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    modes = ["eager", "ahead", "compiled"]
+    parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", nargs=3, metavar=("CODEC", "NUMEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -22,8 +22,9 @@ first, ``malloc_trim``).
     python benchmarks/overhead.py --device cuda --ranks 1 --model mlp25m --interleave   # a GPU per rank, NCCL
     python benchmarks/overhead.py --model mlp25m --interleave --methods ddp,ddp_terngrad,ddp_terngrad+eager
 
-A method ``NAME+eager`` is NAME with its codec kernels run eagerly, beside NAME itself, whose kernels run compiled
-(the default; the first steps, untimed, compile them).
+A method ``NAME+eager`` is NAME with its codec kernels run eagerly, ``NAME+compiled`` with them compiled by
+``torch.compile`` in the training process, beside NAME itself, whose kernels run compiled as the library ships them (on
+the CPU built ahead of time in a child process and loaded; the first steps, untimed, build or load them).
 
 With ``--device cuda`` each rank trains on its own GPU over NCCL (``--ranks`` at most the GPUs present; one GPU:
 ``--ranks 1``, where the hook's compression still runs in full and the collectives have no peer), every step is
@@ -100,14 +101,22 @@ def _device(args: argparse.Namespace, rank: int) -> torch.device:
     return torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
 
 
-#: A method named ``NAME+eager`` runs NAME with the codec kernels eager (``set_codec_mode``), beside NAME compiled.
-EAGER_CODECS = "+eager"
+#: A method named ``NAME+eager`` runs NAME with the codec kernels eager (``set_codec_mode``), ``NAME+compiled`` with
+#: them compiled by ``torch.compile`` in the process, beside NAME as it ships (``auto``: on the CPU, built ahead).
+CODEC_SUFFIXES = {"+eager": "eager", "+compiled": "compiled"}
+
+
+def _codecs_of(method: str) -> tuple[str, str]:
+    """The method's name and the codec mode its suffix asks for (``auto`` without one)."""
+    for suffix, mode in CODEC_SUFFIXES.items():
+        if method.endswith(suffix):
+            return method.removesuffix(suffix), mode
+    return method, "auto"
 
 
 def _prepare(method: str, model_name: str, args: argparse.Namespace, rank: int) -> _Trial:
     build, shape, classes, batch = MODELS[model_name]
-    codecs = "eager" if method.endswith(EAGER_CODECS) else "auto"
-    name = method.removesuffix(EAGER_CODECS)
+    name, codecs = _codecs_of(method)
     torch.manual_seed(0)
     device = _device(args, rank)
     model = build().to(device)

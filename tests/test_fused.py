@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from backward_thread import train_on_a_backward_thread
 from ranks import run_ranks
-from torch import nn
 from torch._dynamo.utils import counters
-from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gradcomp.core.fused as fused_module
-from lightning_gradcomp import gradcomp_comm_hook, make_hook
 from lightning_gradcomp.core.compressors import QSGDCompressor, ScaledSignCompressor, TernGradCompressor
 from lightning_gradcomp.core.compressors.kernels import clipped_scale, draw_codes, draw_packed_codes, encode_signs
 from lightning_gradcomp.core.compressors.ternary import ENCODE_CHUNK
@@ -160,6 +157,7 @@ def test_new_keys_and_new_values_reuse_the_compiled_kernels(mode: object) -> Non
 
 def test_without_a_compiler_kernels_warn_once_and_run_eagerly(mode: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_module, "_broken", {})
+    monkeypatch.setattr(fused_module, "AHEAD_DEVICES", ())  # torch.compile's path under "auto" (CUDA's; test_ahead.py)
     # inductor's own patching restores its settings (monkeypatching its config module deleted a hidden one)
     settings = (torch._inductor.config.fx_graph_cache, torch._inductor.config.cpp.cxx)
     with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
@@ -189,59 +187,16 @@ def test_the_mode_is_validated_where_it_enters(monkeypatch: pytest.MonkeyPatch, 
         codec_mode()
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(64, 1024)
-        self.head = nn.Linear(1024, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.body(x)))
-
-
-def _train(group: dist.ProcessGroup, codecs: str) -> dict:
-    """Four TernGrad steps of a 1-process DDP whose backward runs on a thread of its own (unclipped: its scaler
-    ``max|g|`` is exact in any order, where the clipped one's variance may differ by a rounding, and a code with it)."""
-    set_codec_mode(codecs)
-    torch.manual_seed(0)
-    model = _Net()
-    ddp = DistributedDataParallel(model, process_group=group)
-    hook = make_hook(ddp, "ddp_terngrad", warmup_steps=0, min_compress_numel=100, compressor_kwargs={"clip_sigma": 0})
-    ddp.register_comm_hook(hook, gradcomp_comm_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
-    callers, calls = [], draw_packed_codes.compiled_calls
-    compiled = draw_packed_codes.compiled
-
-    def recording(*args: object) -> object:  # which thread calls the compiled kernel
-        callers.append(threading.current_thread().name)
-        return compiled(*args)
-
-    draw_packed_codes.compiled = recording
-    for step in range(4):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        worker = threading.Thread(target=loss.backward, name=f"backward-{step}")
-        worker.start()
-        worker.join()
-        optimizer.step()
-    del draw_packed_codes.compiled
-    return {
-        "weights": [p.detach().clone() for p in model.parameters()],
-        "compiled_calls": draw_packed_codes.compiled_calls - calls,
-        "callers": sorted(set(callers)),
-    }
-
-
 def _compiled_and_eager(rank: int, world_size: int) -> dict:
     group = dist.new_group(backend="gloo")
-    return {"compiled": _train(group, "compiled"), "eager": _train(group, "eager")}
+    train = train_on_a_backward_thread
+    return {"compiled": train(group, "compiled", "compiled", 4), "eager": train(group, "eager", "compiled", 4)}
 
 
 def test_a_comm_hook_on_a_backward_thread_runs_the_compiled_kernels_and_trains_as_eager() -> None:
     (result,) = run_ranks(_compiled_and_eager, 1, timeout=600)
     compiled, eager = result["compiled"], result["eager"]
-    assert compiled["compiled_calls"] >= 4 and eager["compiled_calls"] == 0  # every step's unit, compiled
+    assert compiled["calls"] >= 4 and eager["calls"] == 0  # every step's unit, compiled
     assert compiled["callers"] == [f"backward-{step}" for step in range(4)]
     for a, b in zip(compiled["weights"], eager["weights"], strict=True):
         assert torch.equal(a, b)
@@ -274,6 +229,7 @@ def test_sizes_past_the_recompile_limit_run_eagerly_with_one_warning(
     mode: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fused_module, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(fused_module, "AHEAD_DEVICES", ())  # torch.compile's path under "auto" (CUDA's; test_ahead.py)
     with torch._dynamo.config.patch(recompile_limit=2):
         mode("auto")
         kernel = FusedKernel(lambda x: x * 7 + 1)  # a fresh function: its own specialisations

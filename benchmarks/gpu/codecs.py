@@ -3,10 +3,12 @@
 A bucket of ``n`` fp32 elements (a normal gradient) is encoded as the hook does it: error feedback's compensation
 where the method keeps a residual, the compressor's payload and the bytes that travel, the residual's update;
 decoding is those bytes back to a dense tensor. Times are CUDA-event medians of ``--repeats`` after a warm-up call
-that compiles the kernels (its time is reported as the cold call), with the codec kernels compiled
-(``GRADCOMP_CODECS=auto``) and, side by side, eager; ``--modes generator`` adds the eager codecs drawing from a
-``torch.Generator`` (the library's streams before the counter hash). Reading a bucket once is the floor: ``4 n``
-bytes at the device's memory bandwidth. Each row also counts the host's waits for the device in one call.
+that compiles the kernels (its time is reported as the cold call), with the codec kernels compiled by
+``torch.compile`` in the process (``compiled``) and, side by side, eager; ``--modes ahead`` adds the CPU's kernels built
+ahead of time in a child process and loaded (what ``GRADCOMP_CODECS=auto`` runs there), ``--modes generator`` the eager
+codecs drawing from a ``torch.Generator`` (the library's streams before the counter hash). Reading a bucket once is
+the floor: ``4 n`` bytes at the device's memory bandwidth. Each row also counts the host's waits for the device in
+one call.
 
     PYTHONPATH=. python benchmarks/gpu/codecs.py --out results/ [--sizes 1e6 1e7 1e8 1e9] [--device cuda]
 
@@ -141,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
-    parser.add_argument("--modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager", "generator"])
+    parser.add_argument(
+        "--modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "ahead", "eager", "generator"]
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or any(s < 1 for s in args.sizes):
         parser.error(f"--repeats and --sizes must be >= 1, got {args.repeats} and {args.sizes}")
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"codec": "read_once(sum)", "mode": "eager", "numel": n, "encode_ms": ms})
         del x
         for mode in args.modes:
-            set_codec_mode("auto" if mode == "compiled" else "eager")
+            set_codec_mode("eager" if mode == "generator" else mode)
             for codec in args.codecs:
                 try:
                     rows.append({**measure(codec, n, device, args.repeats, mode == "generator"), "mode": mode})

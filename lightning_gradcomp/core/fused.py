@@ -4,7 +4,9 @@ A codec's per-element math (a sign packed 32 to a word, a stochastic level drawn
 pure function over flat tensors. Run eagerly, each of its operations is a pass over memory with a temporary of the
 input's size; ``torch.compile`` (inductor: C++/OpenMP loops on the CPU, Triton kernels on CUDA) fuses the chain into
 one or two passes with no temporaries. :func:`fused` wraps such a function: called, it runs compiled or eager as
-:func:`codec_mode` says, with static shapes (one specialisation per tensor size; DDP has few).
+:func:`codec_mode` says, with static shapes (one specialisation per tensor size; DDP has few). On the CPU the compiled
+form is built ahead of time in a child process and loaded (:mod:`~lightning_gradcomp.core.ahead`), so that the
+compiler's modules never load into the training process; on CUDA it is ``torch.compile``'s.
 
 Where the compiler cannot run (no C++ compiler, no Triton), the first call warns once and the kernels run eagerly
 from then on; the result is the same function's. A kernel that meets more tensor sizes than :data:`RECOMPILE_LIMIT`
@@ -13,15 +15,18 @@ to: integer outputs (codes, packed bytes, selections) equal, floats within the r
 
 The setting: :func:`set_codec_mode` or the environment variable ``GRADCOMP_CODECS``, one of
 
-- ``"auto"`` (the default): compiled, on the CPU and CUDA alike; where the compiler cannot run, eager after one
-  warning;
-- ``"compiled"``: compiled, and a compiler's failure is raised (to find out why it fails);
+- ``"auto"`` (the default): compiled, on the CPU ahead of time (``"ahead"``), on CUDA by ``torch.compile``; where the
+  compiler cannot run, eager after one warning;
+- ``"ahead"``: as ``"auto"``, and a failure to build or load a CPU package is raised;
+- ``"compiled"``: ``torch.compile`` in this process on every device, and a compiler's failure is raised (to find out
+  why it fails);
 - ``"eager"``: never compiled (no compile time: the first compiled call of each size takes seconds, cached on disk
   for later runs).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
@@ -33,13 +38,16 @@ from torch import Tensor
 
 from lightning_gradcomp.core.validation import check_choice
 
-__all__ = ["CODEC_MODES", "FusedKernel", "codec_mode", "compiles_on", "fused", "set_codec_mode"]
+__all__ = ["AHEAD_DEVICES", "CODEC_MODES", "FusedKernel", "codec_mode", "compiles_on", "fused", "set_codec_mode"]
 
-CodecMode = Literal["auto", "compiled", "eager"]
-CODEC_MODES: tuple[str, ...] = ("auto", "compiled", "eager")
+CodecMode = Literal["auto", "ahead", "compiled", "eager"]
+CODEC_MODES: tuple[str, ...] = ("auto", "ahead", "compiled", "eager")
 #: Specialisations a kernel may hold (one per tensor size it meets): torch's limit per function, 8 by default, is
 #: raised to this at the first compiled call, as a model's units come in more sizes than 8.
 RECOMPILE_LIMIT = 64
+#: Devices whose kernels ``"auto"`` and ``"ahead"`` build ahead of time in a child process (the CPU: the compiler's
+#: resident memory stays out of the training process; on CUDA the compiled kernels are ``torch.compile``'s).
+AHEAD_DEVICES: tuple[str, ...] = ("cpu",)
 
 _mode: str | None = None
 #: Why compiling failed, by device type (``None`` until it did): from then on that device runs eagerly.
@@ -49,7 +57,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def set_codec_mode(mode: CodecMode) -> None:
-    """Choose how codec kernels run from now on: ``"auto"``, ``"compiled"`` or ``"eager"`` (see the module)."""
+    """Choose how codec kernels run from now on: ``"auto"``, ``"ahead"``, ``"compiled"`` or ``"eager"`` (see the
+    module)."""
     global _mode
     _mode = check_choice("mode", mode, CODEC_MODES)
 
@@ -70,7 +79,8 @@ def compiles_on(device: torch.device) -> bool:
 
 class FusedKernel:
     """A pure tensor function and its compiled form; calls go to one or the other (:func:`compiles_on` of the first
-    tensor argument's device). ``compiled_calls`` counts the calls that ran compiled (tests read it)."""
+    tensor argument's device). ``compiled_calls`` counts the calls that ran compiled in this process, ``ahead_calls``
+    those that ran a package built ahead of time (tests read them)."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
@@ -78,7 +88,9 @@ class FusedKernel:
         self.__doc__ = function.__doc__
         self._compiled: Callable[..., Any] | None = None
         self._warned_limit = False
+        self._packages: dict[str, Any] = {}
         self.compiled_calls = 0
+        self.ahead_calls = 0
 
     def eager(self, *args: Any) -> Any:
         """The function itself, uncompiled (the oracle)."""
@@ -91,9 +103,30 @@ class FusedKernel:
             config = torch._dynamo.config
             limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
             setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
-            self._compiled = torch.compile(self.function, dynamic=False, fullgraph=True, options=_inductor_options())
+            self._compiled = torch.compile(self.function, dynamic=False, fullgraph=True, options=inductor_options())
         result = self._compiled(*args)
         self.compiled_calls += 1
+        return result
+
+    def ahead(self, *args: Any) -> Any:
+        """The call run by this argument layout's package (:mod:`~lightning_gradcomp.core.ahead`), built first if it is
+        not in the cache; arguments no package can stand for run eagerly. Raises what building or loading raises."""
+        from lightning_gradcomp.core import ahead
+
+        if getattr(sys.modules.get(self.function.__module__), self.__name__, None) is not self:
+            raise ahead.BuildFailed(f"{self.__name__} is not a module-level kernel: a child process cannot import it")
+        try:
+            layout, tensors = ahead.describe(args)
+        except ahead.AheadUnsupported:
+            return self.function(*args)
+        key = json.dumps(layout)
+        package = self._packages.get(key)
+        if package is None:
+            if len(self._packages) >= RECOMPILE_LIMIT:
+                return self._beyond_limit(*args)
+            package = self._packages[key] = ahead.load(self.function, layout)
+        result = package(tensors)
+        self.ahead_calls += 1
         return result
 
     def _beyond_limit(self, *args: Any) -> Any:
@@ -113,16 +146,19 @@ class FusedKernel:
         device = next(a.device for a in args if isinstance(a, Tensor))
         if not compiles_on(device):
             return self.function(*args)
+        mode = codec_mode()
+        built_ahead = device.type in AHEAD_DEVICES and mode != "compiled"
         try:
-            return self.compiled(*args)
+            return self.ahead(*args) if built_ahead else self.compiled(*args)
         except Exception as error:  # a compiler's failure falls back; anything else is raised
-            if _is_recompile_limit(error) and codec_mode() != "compiled":
+            if _is_recompile_limit(error) and mode == "auto":
                 return self._beyond_limit(*args)
-            if codec_mode() == "compiled" or not _is_compiler_failure(error):
+            if mode != "auto" or not _is_compiler_failure(error):
                 raise
             _broken[device.type] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(
-                f"lightning_gradcomp: torch.compile cannot build codec kernels on {device.type} "
+                f"lightning_gradcomp: {'AOTInductor' if built_ahead else 'torch.compile'} cannot build codec kernels "
+                f"on {device.type} "
                 f"({_broken[device.type]}); they run eagerly (same results, more passes over memory). "
                 "Set GRADCOMP_CODECS=eager to skip the attempt.",
                 RuntimeWarning,
@@ -139,7 +175,7 @@ class FusedKernel:
 INLINED_OPERATIONS = 1000
 
 
-def _inductor_options() -> dict[str, int]:
+def inductor_options() -> dict[str, int]:
     """The inductor settings the codec kernels compile with: :data:`INLINED_OPERATIONS` where this torch has them."""
     from torch._inductor import config
 
@@ -159,12 +195,13 @@ def _is_recompile_limit(error: BaseException) -> bool:
 
 def _is_compiler_failure(error: BaseException) -> bool:
     """Whether ``error`` says the compiler (not the function) failed: no C++ compiler, no Triton, a backend crash."""
-    from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor.exc import InvalidCxxCompiler
+    from lightning_gradcomp.core.ahead import BuildFailed
 
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, (BackendCompilerFailed, InvalidCxxCompiler, ImportError, OSError)):
+        if isinstance(seen, (BuildFailed, ImportError, OSError)):
+            return True
+        if type(seen).__name__ in {"BackendCompilerFailed", "InvalidCxxCompiler"}:
             return True
         if type(seen).__name__ in {"TritonMissing", "GPUTooOldForTriton"}:
             return True

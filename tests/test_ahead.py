@@ -1,0 +1,286 @@
+"""Codec kernels built ahead of time (AOTInductor in a child process, loaded as packages) are their eager oracle's: the
+same codes and bytes exactly, the same means and residuals bit for bit on the CPU, floats from reductions within the
+rounding of another summation order. The training process never loads the compiler; a failed build warns once and runs
+eagerly; the cache is private, locked while a package is built, and keyed by everything a package depends on.
+
+The builds are real where a test says so (about 15 s each, cold, in a cache kept for the session); the cache's and the
+fallback's logic is tested with a stand-in builder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from backward_thread import train_on_a_backward_thread
+from ranks import run_ranks
+
+import lightning_gradcomp.core.ahead as ahead
+import lightning_gradcomp.core.fused as fused_module
+from lightning_gradcomp.core.compressors import ScaledSignCompressor, TernGradCompressor
+from lightning_gradcomp.core.compressors.base import subtract_by_adding
+from lightning_gradcomp.core.compressors.kernels import (
+    draw_packed_codes,
+    encode_signs,
+    mean_of_signs_,
+    mean_of_summed_fields_,
+    subtract_signs_,
+)
+from lightning_gradcomp.core.compressors.sign import SIGN_ROW
+from lightning_gradcomp.core.fused import set_codec_mode
+from lightning_gradcomp.core.randomness import CounterStream
+
+#: Two whole planar rows of signs and a partial one: the rows run as a package, the rest eagerly.
+NUMEL = 2 * SIGN_ROW + 32 * 99 + 5
+EPS32 = torch.finfo(torch.float32).eps / 2
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cold cache for the session's real builds (the machine's own cache is left alone)."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture
+def built(kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> object:
+    """Kernels run as packages from the session's cache; the suite's mode is restored afterwards."""
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(kernel_cache))
+    monkeypatch.setattr(fused_module, "_broken", {})
+    yield set_codec_mode
+    fused_module._mode = None
+
+
+def _gradient(seed: int, numel: int = NUMEL) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+
+
+def test_terngrads_codes_and_mean_are_the_eager_ones_byte_for_byte(built: object) -> None:
+    compressor = TernGradCompressor(clip_sigma=0)  # max|g|: exact in any order
+    xs = [_gradient(seed) for seed in (1, 2)]
+    calls = draw_packed_codes.ahead_calls, mean_of_summed_fields_.ahead_calls
+    shared = torch.maximum(*[compressor.local_scale(x) for x in xs])  # one scaler: the codes sum as integers
+    results = {}
+    for mode in ("ahead", "eager"):
+        built(mode)
+        payloads = [compressor.compress(x, CounterStream(7 + i), scale=shared) for i, x in enumerate(xs)]
+        mean = compressor.average_all(payloads, torch.full((NUMEL,), 9.0), 2)
+        results[mode] = [p.to_bytes() for p in payloads], mean
+    assert all(torch.equal(a, b) for a, b in zip(results["ahead"][0], results["eager"][0], strict=True))
+    assert torch.equal(results["ahead"][1], results["eager"][1])
+    assert draw_packed_codes.ahead_calls == calls[0] + 2 and mean_of_summed_fields_.ahead_calls == calls[1] + 1
+
+
+def test_signs_residual_and_mean_are_the_eager_ones_and_the_scale_within_summation_rounding(built: object) -> None:
+    compressor = ScaledSignCompressor()
+    x = _gradient(3)
+    built("eager")
+    eager = compressor.compress(x, None)
+    built("ahead")
+    calls = encode_signs.ahead_calls, subtract_signs_.ahead_calls, mean_of_signs_.ahead_calls
+    packaged = compressor.compress(x, None)
+    assert torch.equal(packaged.bits, eager.bits)
+    # a sum of d magnitudes in another order is within 2 (d - 1) u of the eager one; the mean adds a rounding or two
+    scale = float(eager.scale)
+    assert abs(float(packaged.scale) - scale) <= (2 * (NUMEL - 1) * EPS32 + 4 * EPS32) * scale
+    # given the same payload, the residual and the mean of two are the eager passes' roundings exactly
+    residual = packaged.entries().subtract_from(x, torch.empty(NUMEL))
+    other = compressor.compress(_gradient(4), None)
+    mean = compressor.average_all([packaged, other], torch.empty(NUMEL), 2)
+    built("eager")
+    assert torch.equal(residual, subtract_by_adding(packaged.entries(), x, torch.empty(NUMEL)))
+    assert torch.equal(mean, compressor.average_all([packaged, other], torch.empty(NUMEL), 2))
+    assert (encode_signs.ahead_calls, subtract_signs_.ahead_calls, mean_of_signs_.ahead_calls) == (
+        calls[0] + 2,
+        calls[1] + 1,
+        calls[2] + 1,
+    )
+
+
+_CHILD = """
+import json, sys, torch
+from lightning_gradcomp.core.compressors import ScaledSignCompressor
+from lightning_gradcomp.core.compressors.kernels import encode_signs
+x = torch.randn({numel}, generator=torch.Generator().manual_seed(3)) * 1e-3
+bits = ScaledSignCompressor().compress(x, None).bits
+print(json.dumps({{"ahead_calls": encode_signs.ahead_calls, "bits": bits.tolist()[:64],
+                  "compiler": sorted(m for m in sys.modules if m.startswith("torch._inductor.codegen")
+                                     or m == "torch._inductor.compile_fx")}}))
+"""
+
+
+def test_a_process_running_packages_never_loads_the_compiler(built: object, kernel_cache: Path) -> None:
+    built("eager")
+    expected = ScaledSignCompressor().compress(_gradient(3), None).bits.tolist()[:64]
+    env = dict(os.environ, GRADCOMP_CODECS="ahead", GRADCOMP_KERNEL_CACHE=str(kernel_cache), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(numel=NUMEL)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ahead_calls"] == 1 and result["compiler"] == []
+    assert result["bits"] == expected
+
+
+def _packaged_and_eager(rank: int, world_size: int, cache: str) -> dict:
+    import torch.distributed as dist
+
+    os.environ["GRADCOMP_KERNEL_CACHE"] = cache
+    group = dist.new_group(backend="gloo")
+    train = train_on_a_backward_thread
+    return {"ahead": train(group, "ahead", "ahead", 3), "eager": train(group, "eager", "ahead", 3)}
+
+
+def test_a_comm_hook_on_a_backward_thread_runs_the_packages_and_trains_as_eager(kernel_cache: Path) -> None:
+    (result,) = run_ranks(_packaged_and_eager, 1, str(kernel_cache), timeout=900)
+    packaged, eager = result["ahead"], result["eager"]
+    assert packaged["calls"] >= 3 and eager["calls"] == 0  # every step's unit, from a package
+    assert packaged["callers"] == [f"backward-{step}" for step in range(3)]
+    for a, b in zip(packaged["weights"], eager["weights"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_without_a_compiler_a_build_warns_once_and_the_kernels_run_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path / "cold"))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # the child compiles with it
+    monkeypatch.setattr(fused_module, "_broken", {})
+    monkeypatch.setattr(ahead, "_builder", ahead._Builder())  # a child started under this environment
+    monkeypatch.setattr(encode_signs, "_packages", {})  # none loaded by an earlier test
+    x = _gradient(5)
+    try:
+        set_codec_mode("auto")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first, second = encode_signs(x, False), encode_signs(x, False)
+        ours = [w for w in caught if "cannot build codec kernels" in str(w.message)]
+        assert len(ours) == 1 and "AOTInductor" in str(ours[0].message) and "BuildFailed" in str(ours[0].message)
+        expected = encode_signs.function(x, False)
+        for result in (first, second):
+            assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
+        set_codec_mode("ahead")  # the setting that wants to know: the failure is raised
+        monkeypatch.setattr(fused_module, "_broken", {})
+        with pytest.raises(ahead.BuildFailed, match="encode_signs"):
+            encode_signs(x, True)
+    finally:
+        fused_module._mode = None
+        ahead._builder.close()
+
+
+class _StandIn:
+    """A builder that writes what it is told to (``content``), slowly, and counts its builds."""
+
+    def __init__(self, content: bytes = b"not a package", seconds: float = 0.0) -> None:
+        self.content, self.seconds, self.builds = content, seconds, 0
+
+    def build(self, request: dict, log: Path) -> None:
+        self.builds += 1
+        time.sleep(self.seconds)
+        path = Path(request["path"])
+        path.with_suffix(".json").write_text(json.dumps(None))
+        path.write_bytes(self.content)
+
+
+def test_ranks_sharing_a_cache_build_a_package_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path))
+    builder = _StandIn(seconds=0.5)
+    monkeypatch.setattr(ahead, "_builder", builder)
+    loaded: list[Path] = []
+    monkeypatch.setattr(ahead, "Package", lambda path, outputs: loaded.append(path) or path)
+    layout, _ = ahead.describe((torch.zeros(8), 3))
+    threads = [threading.Thread(target=ahead.load, args=(encode_signs.function, layout)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert builder.builds == 1 and len(loaded) == 3 and len(set(loaded)) == 1  # the lock held the others
+
+
+def test_a_package_that_does_not_load_is_built_once_more_then_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path))
+    builder = _StandIn()
+    monkeypatch.setattr(ahead, "_builder", builder)
+    layout, _ = ahead.describe((torch.zeros(8),))
+    with pytest.raises(ahead.BuildFailed, match=r"loading the package of .*encode_signs"):
+        ahead.load(encode_signs.function, layout)
+    assert builder.builds == 2 and not list(tmp_path.glob("*.pt2"))  # the unloadable files are removed
+
+
+def test_a_cache_others_may_write_to_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(shared))
+    monkeypatch.setattr(ahead, "_builder", _StandIn())
+    layout, _ = ahead.describe((torch.zeros(8),))
+    with pytest.raises(ahead.BuildFailed, match=r"kernel cache .*shared.* is not private to this user.*drwxrwxrwx"):
+        ahead.load(encode_signs.function, layout)
+    assert not list(shared.iterdir())  # nothing was built or loaded there
+
+
+def test_a_package_is_keyed_by_shapes_strides_dtypes_and_constants() -> None:
+    base = torch.zeros(4, 6)
+    variants = [
+        (base, 3),
+        (torch.zeros(4, 7), 3),
+        (base.t(), 3),
+        (base.double(), 3),
+        (base, 4),
+        (base, 3.0),
+        ([base], 3),
+        ((base,), 3),
+    ]
+    keys = [ahead.package_key("m:k", ahead.describe(v)[0]) for v in variants]
+    assert len(set(keys)) == len(keys)
+    assert ahead.package_key("m:k", ahead.describe((torch.ones(4, 6), 3))[0]) == keys[0]  # values do not matter
+    assert ahead.package_key("m:other", ahead.describe(variants[0])[0]) != keys[0]
+
+
+def test_arguments_that_overlap_in_memory_or_are_not_tensors_or_constants_are_not_packaged() -> None:
+    wire = torch.zeros(100)
+    layout, tensors = ahead.describe((wire[:10], wire[10:50], [wire[50:]], None, 2, True))
+    assert len(tensors) == 3 and layout[3:] == [["constant", None], ["constant", 2], ["constant", True]]
+    for overlapping in [(wire[:10], wire[9:20]), (wire, wire[50:]), (wire.view(10, 10)[:, 0], wire[5:6])]:
+        with pytest.raises(ahead.AheadUnsupported, match="overlap"):
+            ahead.describe(overlapping)
+    apart = wire.view(10, 10)
+    ahead.describe((apart[0], apart[1]))  # rows side by side do not overlap
+    with pytest.raises(ahead.AheadUnsupported, match="dict"):
+        ahead.describe(({"a": wire},))
+    rebuilt = ahead.rebuild(["list", [["tensor"], ["constant", 5]]], iter([wire]))
+    assert rebuilt[0] is wire and rebuilt[1] == 5
+
+
+def test_layouts_past_the_limit_run_eagerly_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_module, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(fused_module, "_broken", {})
+    packaged: list[int] = []
+
+    def stand_in(function: object, layout: object) -> object:
+        return lambda tensors: packaged.append(tensors[0].numel()) or encode_signs.function(tensors[0], False)
+
+    monkeypatch.setattr(ahead, "load", stand_in)
+    kernel = encode_signs
+    monkeypatch.setattr(kernel, "_packages", {})
+    try:
+        set_codec_mode("ahead")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in (32 * 8, 32 * 9, 32 * 10, 32 * 8):
+                x = _gradient(n, n)
+                result, expected = kernel(x, False), encode_signs.function(x, False)
+                assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
+        ours = [w for w in caught if "more than 2 tensor sizes" in str(w.message)]
+        assert len(ours) == 1 and packaged == [32 * 8, 32 * 9, 32 * 8]  # the third size ran eagerly
+    finally:
+        fused_module._mode = None
