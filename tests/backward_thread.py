@@ -15,7 +15,9 @@ from lightning_gradcomp.core.compressors.kernels import draw_packed_codes
 from lightning_gradcomp.core.fused import set_codec_mode
 
 
-class _Net(nn.Module):
+class Net(nn.Module):
+    """Two linear layers: units of two sizes, both compressed."""
+
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Linear(64, 1024)
@@ -31,7 +33,7 @@ def train_on_a_backward_thread(group: dist.ProcessGroup, codecs: str, form: str,
     packing kernel's ``form`` (``"compiled"`` or ``"ahead"``): the weights, that form's calls, the callers' names."""
     set_codec_mode(codecs)
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     ddp = DistributedDataParallel(model, process_group=group)
     hook = make_hook(ddp, "ddp_terngrad", warmup_steps=0, min_compress_numel=100, compressor_kwargs={"clip_sigma": 0})
     ddp.register_comm_hook(hook, gradcomp_comm_hook)

@@ -10,10 +10,10 @@ fallback's logic is tested with a stand-in builder.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -110,23 +110,29 @@ from lightning_gradcomp.core.compressors import ScaledSignCompressor
 from lightning_gradcomp.core.compressors.kernels import encode_signs
 x = torch.randn({numel}, generator=torch.Generator().manual_seed(3)) * 1e-3
 bits = ScaledSignCompressor().compress(x, None).bits
-print(json.dumps({{"ahead_calls": encode_signs.ahead_calls, "bits": bits.tolist()[:64],
-                  "compiler": sorted(m for m in sys.modules if m.startswith("torch._inductor.codegen")
-                                     or m == "torch._inductor.compile_fx")}}))
+calls, modules = encode_signs.ahead_calls, sorted(sys.modules)
+print(json.dumps({{"ahead_calls": calls, "bits": bits.tolist()[:64], "modules": modules}}))
 """
 
 
-def test_a_process_running_packages_never_loads_the_compiler(built: object, kernel_cache: Path) -> None:
-    built("eager")
-    expected = ScaledSignCompressor().compress(_gradient(3), None).bits.tolist()[:64]
-    env = dict(os.environ, GRADCOMP_CODECS="ahead", GRADCOMP_KERNEL_CACHE=str(kernel_cache), OMP_NUM_THREADS="1")
+def _child(codecs: str, cache: Path) -> dict:
+    env = dict(os.environ, GRADCOMP_CODECS=codecs, GRADCOMP_KERNEL_CACHE=str(cache), OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-c", _CHILD.format(numel=NUMEL)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["ahead_calls"] == 1 and result["compiler"] == []
-    assert result["bits"] == expected
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_process_running_packages_imports_nothing_of_torch_that_the_eager_codecs_do_not(
+    built: object, kernel_cache: Path
+) -> None:
+    packaged, eager = _child("ahead", kernel_cache), _child("eager", kernel_cache)
+    assert packaged["ahead_calls"] == 1 and eager["ahead_calls"] == 0
+    assert packaged["bits"] == eager["bits"]
+    extra = sorted(set(packaged["modules"]) - set(eager["modules"]))
+    assert not [m for m in extra if m.startswith(("torch", "sympy", "networkx"))], extra
+    assert "torch._inductor.codegen.cpp" not in packaged["modules"]  # inductor's code generator never loads
 
 
 def _packaged_and_eager(rank: int, world_size: int, cache: str) -> dict:
@@ -176,59 +182,115 @@ def test_without_a_compiler_a_build_warns_once_and_the_kernels_run_eagerly(
 
 
 class _StandIn:
-    """A builder that writes what it is told to (``content``), slowly, and counts its builds."""
+    """A builder that writes what it is told to (``content``), slowly, and counts its builds in a file (across
+    processes)."""
 
-    def __init__(self, content: bytes = b"not a package", seconds: float = 0.0) -> None:
-        self.content, self.seconds, self.builds = content, seconds, 0
+    def __init__(self, tally: Path, content: bytes = b"not a package", seconds: float = 0.0) -> None:
+        self.tally, self.content, self.seconds = tally, content, seconds
 
-    def build(self, request: dict, log: Path) -> None:
-        self.builds += 1
+    @property
+    def builds(self) -> int:
+        return len(self.tally.read_text()) if self.tally.exists() else 0
+
+    def build(self, request: dict, directory: Path) -> None:
+        with open(self.tally, "a") as tally:
+            tally.write("b")
         time.sleep(self.seconds)
-        path = Path(request["path"])
-        path.with_suffix(".json").write_text(json.dumps(None))
-        path.write_bytes(self.content)
+        Path(request["path"]).write_bytes(self.content)
+
+
+def _load_in_a_process(layout: object, loaded: object) -> None:
+    path = ahead.load(encode_signs.function, layout)
+    loaded.put(str(path))
 
 
 def test_ranks_sharing_a_cache_build_a_package_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path))
-    builder = _StandIn(seconds=0.5)
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path / "cache"))
+    builder = _StandIn(tmp_path / "tally", seconds=0.5)
     monkeypatch.setattr(ahead, "_builder", builder)
-    loaded: list[Path] = []
-    monkeypatch.setattr(ahead, "Package", lambda path, outputs: loaded.append(path) or path)
+    monkeypatch.setattr(ahead, "Package", lambda path: path)  # what would be loaded
     layout, _ = ahead.describe((torch.zeros(8), 3))
-    threads = [threading.Thread(target=ahead.load, args=(encode_signs.function, layout)) for _ in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert builder.builds == 1 and len(loaded) == 3 and len(set(loaded)) == 1  # the lock held the others
+    context = multiprocessing.get_context("fork")  # three processes, the stand-ins inherited
+    loaded = context.Queue()
+    processes = [context.Process(target=_load_in_a_process, args=(layout, loaded)) for _ in range(3)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert [process.exitcode for process in processes] == [0, 0, 0]
+    paths = {loaded.get(timeout=5) for _ in processes}
+    assert builder.builds == 1 and len(paths) == 1  # the lock held the others until the first had built it
 
 
 def test_a_package_that_does_not_load_is_built_once_more_then_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path))
-    builder = _StandIn()
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path / "cache"))
+    builder = _StandIn(tmp_path / "tally")
     monkeypatch.setattr(ahead, "_builder", builder)
     layout, _ = ahead.describe((torch.zeros(8),))
     with pytest.raises(ahead.BuildFailed, match=r"loading the package of .*encode_signs"):
         ahead.load(encode_signs.function, layout)
-    assert builder.builds == 2 and not list(tmp_path.glob("*.pt2"))  # the unloadable files are removed
+    assert builder.builds == 2 and not list((tmp_path / "cache").glob("*.pt2"))  # the unloadable files are removed
 
 
-def test_a_cache_others_may_write_to_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
-    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(shared))
-    monkeypatch.setattr(ahead, "_builder", _StandIn())
+def test_a_package_file_that_is_not_this_users_alone_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(cache))
+    builder = _StandIn(tmp_path / "tally")
+    monkeypatch.setattr(ahead, "_builder", builder)
+    monkeypatch.setattr(ahead, "Package", lambda path: path)
     layout, _ = ahead.describe((torch.zeros(8),))
-    with pytest.raises(ahead.BuildFailed, match=r"kernel cache .*shared.* is not private to this user.*drwxrwxrwx"):
-        ahead.load(encode_signs.function, layout)
-    assert not list(shared.iterdir())  # nothing was built or loaded there
+    path = ahead.load(encode_signs.function, layout)
+    assert builder.builds == 1 and ahead.load(encode_signs.function, layout) == path and builder.builds == 1
+    elsewhere = tmp_path / "planted"
+    elsewhere.write_bytes(b"someone else's code")
+    for plant in (lambda: os.link(path, tmp_path / "second-name"), lambda: path.chmod(0o666)):
+        plant()
+        ahead.load(encode_signs.function, layout)  # refused as it was, built again
+    path.unlink()
+    path.symlink_to(elsewhere)
+    ahead.load(encode_signs.function, layout)
+    assert builder.builds == 4 and not path.is_symlink() and elsewhere.read_bytes() == b"someone else's code"
 
 
-def test_a_package_is_keyed_by_shapes_strides_dtypes_and_constants() -> None:
+def test_a_cache_others_may_write_to_is_refused_and_ones_own_made_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ahead, "_builder", _StandIn(tmp_path / "tally"))
+    layout, _ = ahead.describe((torch.zeros(8),))
+    opened = tmp_path / "open"
+    below = opened / "below"
+    below.mkdir(parents=True)
+    opened.chmod(0o777)  # anyone may rename what it holds
+    cases = [(below, opened), (opened / "new", opened)]
+    if os.geteuid() == 0:  # a directory of another user's (only root can make one here)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        cases.append((theirs, theirs))
+    for cache, culprit in cases:
+        monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(cache))
+        with pytest.raises(ValueError, match=rf"GRADCOMP_KERNEL_CACHE: .* is not private .*{culprit.name}'.*owner"):
+            ahead.load(encode_signs.function, layout)
+    assert not list(below.iterdir()) and not (opened / "new").exists()  # nothing was built or loaded there
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    mine.chmod(0o777)
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(mine))
+    assert ahead._private_dir() == mine.resolve() and oct(mine.stat().st_mode & 0o777) == "0o700"
+    private = tmp_path / "private"
+    (tmp_path / "link").symlink_to(private)
+    monkeypatch.setenv("GRADCOMP_KERNEL_CACHE", str(tmp_path / "link" / "kernels"))
+    assert ahead._private_dir() == private.resolve() / "kernels"  # made, each level 0700, through the link
+    assert [oct(p.stat().st_mode & 0o777) for p in (private, private / "kernels")] == ["0o700", "0o700"]
+
+
+def test_a_package_is_keyed_by_layout_threads_torch_machine_settings_and_sources(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     base = torch.zeros(4, 6)
     variants = [
         (base, 3),
@@ -240,17 +302,30 @@ def test_a_package_is_keyed_by_shapes_strides_dtypes_and_constants() -> None:
         ([base], 3),
         ((base,), 3),
     ]
-    keys = [ahead.package_key("m:k", ahead.describe(v)[0]) for v in variants]
-    assert len(set(keys)) == len(keys)
-    assert ahead.package_key("m:k", ahead.describe((torch.ones(4, 6), 3))[0]) == keys[0]  # values do not matter
-    assert ahead.package_key("m:other", ahead.describe(variants[0])[0]) != keys[0]
+    keys = [ahead.package_key("m:k", ahead.describe(v)[0], 1) for v in variants]
+    assert ahead.package_key("m:k", ahead.describe((torch.ones(4, 6), 3))[0], 1) == keys[0]  # values do not matter
+    layout = ahead.describe(variants[0])[0]
+    keys += [ahead.package_key("m:other", layout, 1), ahead.package_key("m:k", layout, 2)]
+    for name, value in [("__version__", "0.0.0"), ("_digest", "edited"), ("_machine", "another cpu")]:
+        with monkeypatch.context() as patched:
+            patched.setattr(torch if name == "__version__" else ahead, name, value)
+            keys.append(ahead.package_key("m:k", layout, 1))
+    with monkeypatch.context() as patched:
+        patched.setenv("TORCHINDUCTOR_CPP_SIMDLEN", "8")
+        keys.append(ahead.package_key("m:k", layout, 1))
+    assert len(set(keys)) == len(keys) == 14
 
 
 def test_arguments_that_overlap_in_memory_or_are_not_tensors_or_constants_are_not_packaged() -> None:
     wire = torch.zeros(100)
     layout, tensors = ahead.describe((wire[:10], wire[10:50], [wire[50:]], None, 2, True))
     assert len(tensors) == 3 and layout[3:] == [["constant", None], ["constant", 2], ["constant", True]]
-    for overlapping in [(wire[:10], wire[9:20]), (wire, wire[50:]), (wire.view(10, 10)[:, 0], wire[5:6])]:
+    for overlapping in [
+        (wire[:10], wire[9:20]),
+        (wire, wire[50:]),
+        (wire.view(10, 10)[:, 0], wire[5:6]),
+        (wire[:1].expand(10),),  # elements of one tensor in one place
+    ]:
         with pytest.raises(ahead.AheadUnsupported, match="overlap"):
             ahead.describe(overlapping)
     apart = wire.view(10, 10)
@@ -284,3 +359,54 @@ def test_layouts_past_the_limit_run_eagerly_with_one_warning(monkeypatch: pytest
         assert len(ours) == 1 and packaged == [32 * 8, 32 * 9, 32 * 8]  # the third size ran eagerly
     finally:
         fused_module._mode = None
+
+
+@pytest.mark.parametrize(
+    ("child", "timeout", "message"),
+    [
+        (
+            "import sys, json\nfor line in sys.stdin: print(json.dumps(dict(ok=True, ticket=-1)), flush=True)",
+            "60",
+            "answered out of turn",
+        ),
+        (
+            "import sys\nfor line in sys.stdin: print('compiler chatter', flush=True)",
+            "60",
+            "answered 'compiler chatter",
+        ),
+        ("import sys; sys.exit(3)", "60", "exited while building"),
+        ("import sys, time\nfor line in sys.stdin: time.sleep(60)", "1", "took more than 1 s"),
+    ],
+    ids=["out-of-turn", "not-json", "exits", "past-the-timeout"],
+)
+def test_a_builder_that_misbehaves_is_stopped_and_the_build_fails(
+    child: str, timeout: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ahead, "_CHILD", child)
+    monkeypatch.setenv("GRADCOMP_KERNEL_BUILD_TIMEOUT", timeout)
+    builder = ahead._Builder()
+    request = {"kernel": "lightning_gradcomp.core.compressors.kernels:encode_signs", "path": str(tmp_path / "p.pt2")}
+    with pytest.raises(ahead.BuildFailed, match=message):
+        builder.build(request, tmp_path)
+    assert builder._process is None  # stopped: no later request reads this one's reply
+
+
+def test_the_build_timeout_is_validated_where_it_enters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for value in ("0", "-5", "soon"):
+        monkeypatch.setenv("GRADCOMP_KERNEL_BUILD_TIMEOUT", value)
+        with pytest.raises(ValueError, match=rf"GRADCOMP_KERNEL_BUILD_TIMEOUT must be a positive .*got '{value}'"):
+            ahead._Builder().build({"kernel": "k"}, tmp_path)
+
+
+def _builder_state(states: object) -> None:
+    states.put([ahead._builder._process is None, ahead._builder._lock.locked(), ahead._builder._owner == os.getpid()])
+
+
+def test_a_forked_process_starts_with_a_builder_of_its_own() -> None:
+    context = multiprocessing.get_context("fork")
+    states = context.Queue()
+    with ahead._builder._lock:  # a build in progress in this process when it forks
+        process = context.Process(target=_builder_state, args=(states,))
+        process.start()
+        process.join(30)
+    assert process.exitcode == 0 and states.get(timeout=5) == [True, False, True]

@@ -9,8 +9,8 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
+from backward_thread import Net
 from ranks import run_ranks
-from test_fused import _Net
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -158,7 +158,7 @@ def _train(group: dist.ProcessGroup, preset: str, codecs: str) -> dict:
     kernels = (mean_of_fields_, add_fields_, shift_and_estimate_, mean_of_signs_, subtract_signs_)
     before = [k.compiled_calls for k in kernels]
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     ddp = DistributedDataParallel(model, process_group=group)
     hook = make_hook(ddp, preset, warmup_steps=0, min_compress_numel=100)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)

@@ -1,9 +1,11 @@
 """The child process of :mod:`lightning_gradcomp.core.ahead`: builds codec kernel packages on request.
 
-It reads one JSON request a line (the kernel as ``module:name``, the arguments' layout, the package's path), exports
-the kernel with example tensors of that layout and the constants bound (``torch.export``), compiles it with
-AOTInductor and writes the package and the outputs' structure beside it (each through a temporary file and a rename,
-so that a reader never sees half of one), then answers one JSON line. Only this library's kernels are built.
+It reads one JSON request a line (the kernel as ``module:name``, the arguments' layout, the package's path, the thread
+count, the parent's source digest and torch version), exports the kernel with example tensors of that layout and the
+constants bound (``torch.export``), compiles it with AOTInductor for that many threads and writes the package (through
+a temporary file and a rename, so that a reader never sees half of one, private to the user), then answers one JSON
+line with the request's ticket. Only this library's kernels are built, and only from the sources the parent keyed
+them by. A ``{"quit": true}`` line ends it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree
 
-from lightning_gradcomp.core.ahead import rebuild
+from lightning_gradcomp.core.ahead import LIBRARY, rebuild, sources_digest
 from lightning_gradcomp.core.fused import FusedKernel, inductor_options
 
 
@@ -55,8 +56,9 @@ def _examples(layout: Any) -> list[torch.Tensor]:
 
 
 def _kernel(name: str) -> Any:
+    """The function of the ``@fused`` kernel named ``module:attribute``, one of this library's."""
     module_name, _, attribute = name.partition(":")
-    if not module_name.startswith("lightning_gradcomp."):
+    if not module_name.startswith(LIBRARY):
         raise ValueError(f"kernel {name!r} is not one of this library's")
     kernel = getattr(importlib.import_module(module_name), attribute)
     if not isinstance(kernel, FusedKernel):
@@ -66,34 +68,39 @@ def _kernel(name: str) -> Any:
 
 def build(request: dict[str, Any]) -> None:
     """Export, compile and write one package (see the module)."""
+    if request["sources"] != sources_digest() or request["torch"] != torch.__version__:
+        raise RuntimeError("the builder imported other sources or another torch than its parent keyed the package by")
     function, layout, path = _kernel(request["kernel"]), request["layout"], Path(request["path"])
-    tensors = _examples(layout)
+    torch.set_num_threads(request["threads"])  # inductor writes its loops for the threads it compiles under
     bound = _Bound(function, layout)
-    outputs = _pytree.tree_flatten(bound(*[t.clone() for t in tensors]))[1]
     with torch.no_grad():
-        program = torch.export.export(bound, tuple(tensors), strict=False)
+        program = torch.export.export(bound, tuple(_examples(layout)), strict=False)
     staged = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")  # the compiler wants the suffix
-    torch._inductor.aoti_compile_and_package(program, package_path=str(staged), inductor_configs=inductor_options())
-    spec = path.with_suffix(".json")
-    staged_spec = spec.with_name(f"{spec.name}.{os.getpid()}.tmp")
-    staged_spec.write_text(_pytree.treespec_dumps(outputs))
-    os.replace(staged_spec, spec)
-    os.replace(staged, path)
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(staged), inductor_configs=inductor_options())
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def main() -> None:
-    replies = sys.stdout
-    sys.stdout = sys.stderr  # whatever the compiler prints goes to the log, not into the replies
-    torch.set_num_threads(1)
+    """Answer requests from standard input until it ends or says quit; the compiler's output goes to standard error."""
+    os.umask(0o077)  # packages private to the user
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever the compiler (or a process it starts) prints goes to the log, not into the replies
+    sys.stdout = sys.stderr
     for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("quit"):
+            break
         try:
-            build(json.loads(line))
+            build(request)
             answer: dict[str, Any] = {"ok": True}
         except Exception as error:  # every failure is an answer: the parent warns and runs the kernel eagerly
             traceback.print_exc()
             first_line = str(error).splitlines()[0] if str(error) else ""
             answer = {"ok": False, "error": f"{type(error).__name__}: {first_line}"}
-        replies.write(json.dumps(answer) + "\n")
+        replies.write(json.dumps({**answer, "ticket": request.get("ticket")}) + "\n")
         replies.flush()
 
 

@@ -17,7 +17,7 @@ The setting: :func:`set_codec_mode` or the environment variable ``GRADCOMP_CODEC
 
 - ``"auto"`` (the default): compiled, on the CPU ahead of time (``"ahead"``), on CUDA by ``torch.compile``; where the
   compiler cannot run, eager after one warning;
-- ``"ahead"``: as ``"auto"``, and a failure to build or load a CPU package is raised;
+- ``"ahead"``: as ``"auto"``, and a failure to build or load a CPU package is raised (on CUDA, ``"auto"``);
 - ``"compiled"``: ``torch.compile`` in this process on every device, and a compiler's failure is raised (to find out
   why it fails);
 - ``"eager"``: never compiled (no compile time: the first compiled call of each size takes seconds, cached on disk
@@ -88,7 +88,7 @@ class FusedKernel:
         self.__doc__ = function.__doc__
         self._compiled: Callable[..., Any] | None = None
         self._warned_limit = False
-        self._packages: dict[str, Any] = {}
+        self._packages: dict[str, Any] = {}  # ahead.Package by argument layout and thread count
         self.compiled_calls = 0
         self.ahead_calls = 0
 
@@ -109,17 +109,19 @@ class FusedKernel:
         return result
 
     def ahead(self, *args: Any) -> Any:
-        """The call run by this argument layout's package (:mod:`~lightning_gradcomp.core.ahead`), built first if it is
-        not in the cache; arguments no package can stand for run eagerly. Raises what building or loading raises."""
+        """The call run by this argument layout's package (:mod:`~lightning_gradcomp.core.ahead`) for this process's
+        thread count, built first if it is not in the cache. A call no package can stand for runs eagerly: arguments
+        that are neither tensors nor constants or that overlap, a kernel the child cannot import (one outside this
+        library, or not a module's attribute). Raises what building or loading raises."""
         from lightning_gradcomp.core import ahead
 
-        if getattr(sys.modules.get(self.function.__module__), self.__name__, None) is not self:
-            raise ahead.BuildFailed(f"{self.__name__} is not a module-level kernel: a child process cannot import it")
         try:
+            if not self.function.__module__.startswith(ahead.LIBRARY) or self._module_attribute() is not self:
+                raise ahead.AheadUnsupported(f"{self.__name__} is not a module-level kernel of this library")
             layout, tensors = ahead.describe(args)
         except ahead.AheadUnsupported:
             return self.function(*args)
-        key = json.dumps(layout)
+        key = json.dumps([layout, torch.get_num_threads()])
         package = self._packages.get(key)
         if package is None:
             if len(self._packages) >= RECOMPILE_LIMIT:
@@ -128,6 +130,9 @@ class FusedKernel:
         result = package(tensors)
         self.ahead_calls += 1
         return result
+
+    def _module_attribute(self) -> object:
+        return getattr(sys.modules.get(self.function.__module__), self.__name__, None)
 
     def _beyond_limit(self, *args: Any) -> Any:
         """A call of a size past the kernel's :data:`RECOMPILE_LIMIT` specialisations (a model of many parameter sizes):
@@ -148,12 +153,14 @@ class FusedKernel:
             return self.function(*args)
         mode = codec_mode()
         built_ahead = device.type in AHEAD_DEVICES and mode != "compiled"
+        # the modes that want to know: "compiled" raises torch.compile's failures, "ahead" a package's
+        strict = mode == "compiled" or (mode == "ahead" and built_ahead)
         try:
             return self.ahead(*args) if built_ahead else self.compiled(*args)
         except Exception as error:  # a compiler's failure falls back; anything else is raised
-            if _is_recompile_limit(error) and mode == "auto":
+            if not built_ahead and mode != "compiled" and _is_recompile_limit(error):
                 return self._beyond_limit(*args)
-            if mode != "auto" or not _is_compiler_failure(error):
+            if strict or not _is_compiler_failure(error):
                 raise
             _broken[device.type] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(
