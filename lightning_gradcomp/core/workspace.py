@@ -2,7 +2,7 @@
 
 A fresh allocation of tens of megabytes is handed back to the system when freed, so the next step's
 faults its pages in again: on a 25M-parameter model that costs more than the arithmetic done in it
-(45 ms against 7 ms for the same multiply into a kept tensor, one CPU thread: benchmarks/kernels.py).
+(45 ms against 7 ms for the same multiply into a kept tensor, one CPU thread: benchmarks/kernel_costs.py).
 The hook therefore keeps, per unit, the buffers its trip still needs (the flat copy of a unit of several
 parameters that its compressor cannot read in DDP's buckets, an average that cannot be decoded over the bucket,
 the wire-precision summand, this rank's packed payload, the bytes gathered from every rank) in a

@@ -39,7 +39,7 @@ def streamed_above(flat: Tensor, thr: float, inclusive: bool = False) -> Tensor:
 
     The test is ``hardshrink``'s, ``|x| > lambda`` in one pass (``lambda``: ``thr``, or the ``flat`` dtype's
     number just below it for ``>=``), and its result becomes a mask by a cast: on one CPU thread 3.5x faster
-    than ``abs`` then a comparison (``benchmarks/kernels.py``). A NaN passes (as ``torch.topk`` ranks NaN above
+    than ``abs`` then a comparison (``benchmarks/kernel_costs.py``). A NaN passes (as ``torch.topk`` ranks NaN above
     everything). The mask covers a chunk, whose set entries one :func:`sparse_nonzero` finds; the test's values go
     through a buffer of a quarter of it (on the CPU: 1 MiB of fp32 instead of 4).
     """

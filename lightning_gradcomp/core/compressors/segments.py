@@ -176,7 +176,7 @@ def pieces(x: Tensor | Segments, numels: Sequence[int]) -> list[Tensor]:
 def take(x: Tensor | Segments, indices: Tensor, ascending: bool = False) -> Tensor:
     """The entries of the flat ``x`` at the 1-D ``indices``, whether it is one tensor or pieces (``ascending``: the
     indices are sorted, which pieces route faster). A tensor's by ``index_select``: on one CPU thread about half the
-    time of ``x[indices]`` for int32 positions (``benchmarks/kernels.py``)."""
+    time of ``x[indices]`` for int32 positions (``benchmarks/kernel_costs.py``)."""
     return x.gather(indices, ascending) if isinstance(x, Segments) else x.index_select(0, indices)
 
 

@@ -57,7 +57,7 @@ def kth_smallest(values: Tensor, rank: int) -> Tensor:
     On the CPU, past :data:`BAND_FROM` entries, a systematic sample of :data:`BAND_SAMPLE` of them (every
     ``c / s``-th) places a band of values expected to hold the answer, :data:`BAND_MARGIN` binomial deviations wide
     (open at an end the margin passes); a count below the band and the band's positions check that it does, and
-    ``kthvalue`` of the band alone finds it (3.2 ms in all, ``benchmarks/kernels.py``). A band that misses takes
+    ``kthvalue`` of the band alone finds it (3.2 ms in all, ``benchmarks/kernel_costs.py``). A band that misses takes
     ``kthvalue`` of them all: the sample decides only how fast, never what.
     """
     c = values.numel()

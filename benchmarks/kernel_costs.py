@@ -39,7 +39,7 @@ Each line times two ways of doing the same thing on a 25M-element tensor (the 25
 and alone: Elias-Fano's encoding and decoding of 250,000 indices, gTop-k's merge of two such sets, and
 QSGD's draw of a layer's levels.
 
-    python benchmarks/kernels.py [--device cuda] [--only "Top-k's"]   # --only: the lines whose text holds it
+    python benchmarks/kernel_costs.py [--device cuda] [--only "Top-k's"]   # --only: the lines whose text holds it
 """
 
 from __future__ import annotations
