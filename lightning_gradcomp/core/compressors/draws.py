@@ -47,8 +47,8 @@ def stratified_positions(draws: Draws, high: int, count: int, device: torch.devi
     A stratified sample (Cochran, *Sampling Techniques*, 3rd ed., 1977, Sec. 5.1) for a threshold placed by the
     sample's ranks: the number of sampled entries among any set of entries is a sum of independent Bernoulli draws,
     one per stratum, whose variance is at most the binomial one of independent positions, which the margins are set
-    by. Its positions come in order, so a unit read in pieces is gathered in runs (``benchmarks/kernel_costs.py``: 65,536
-    positions of 25,000,000 entries in two pieces)."""
+    by. Its positions come in order, so a unit read in pieces is gathered in runs (``benchmarks/kernel_costs.py``:
+    65,536 positions of 25,000,000 entries in two pieces)."""
     if not 0 < count <= high:
         raise ValueError(f"count must be an integer in [1, high={high}], got {count}")
     strata = torch.arange(count + 1, dtype=torch.int64, device=device)

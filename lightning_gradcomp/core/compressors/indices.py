@@ -224,7 +224,8 @@ _UNPACKED_FROM_COLUMNS_FROM = 1 << 16
 def _groups(t: Tensor, width: int, count: int, least: int) -> int:
     """Whole groups of eight of the ``count`` ``width``-bit values (``width`` bytes each) to move in byte columns: on
     the CPU, from ``least`` values on (250,000 values of 6 bits: packed in 1.60 ms instead of 2.96, unpacked in 1.35
-    instead of 4.19, ``benchmarks/kernel_costs.py``), and only for widths whose values span at most eight bytes; else 0."""
+    instead of 4.19, ``benchmarks/kernel_costs.py``), and only for widths whose values span at most eight bytes;
+    else 0."""
     if t.device.type != "cpu" or not 0 < width <= 57 or count < least:
         return 0
     return count // 8

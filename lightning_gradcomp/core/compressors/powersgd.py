@@ -271,8 +271,8 @@ class PowerSGDCompressor(Compressor):
                 r = part.q.shape[1]
                 p_hat = orthogonalize_(total[part.first].view(-1, r), payload.epsilon)
                 payload.p_hats.append(p_hat)
-                # M^T P as (P^T M)^T: the product streams over M's rows as stored (a transposed M is
-                # read across its rows, about 12 times slower on one CPU thread at 4096 x 4096: benchmarks/kernel_costs.py)
+                # M^T P as (P^T M)^T: the product streams over M's rows as stored (a transposed M is read
+                # across its rows, about 12 times slower on one CPU thread at 4096 x 4096: benchmarks/kernel_costs.py)
                 summand[part.second].view(-1, r).copy_(torch.matmul(p_hat.T, part.matrix).T)
         return summand.div_(world_size)
 
