@@ -218,8 +218,8 @@ def test_ranks_sharing_a_cache_build_a_package_once(tmp_path: Path, monkeypatch:
     for process in processes:
         process.join(60)
     assert [process.exitcode for process in processes] == [0, 0, 0]
-    paths = {loaded.get(timeout=5) for _ in processes}
-    assert builder.builds == 1 and len(paths) == 1  # the lock held the others until the first had built it
+    paths = [loaded.get(timeout=5) for _ in processes]  # every process loaded the package
+    assert builder.builds == 1 and len(paths) == 3  # the lock held the others until the first had built it
 
 
 def test_a_package_that_does_not_load_is_built_once_more_then_refused(
@@ -306,9 +306,13 @@ def test_a_package_is_keyed_by_layout_threads_torch_machine_settings_and_sources
     assert ahead.package_key("m:k", ahead.describe((torch.ones(4, 6), 3))[0], 1) == keys[0]  # values do not matter
     layout = ahead.describe(variants[0])[0]
     keys += [ahead.package_key("m:other", layout, 1), ahead.package_key("m:k", layout, 2)]
-    for name, value in [("__version__", "0.0.0"), ("_digest", "edited"), ("_machine", "another cpu")]:
+    for target, name, value in [
+        (torch, "__version__", "0.0.0"),
+        (ahead, "sources_digest", lambda: "edited"),
+        (ahead, "cpu_identity", lambda: "another cpu"),
+    ]:
         with monkeypatch.context() as patched:
-            patched.setattr(torch if name == "__version__" else ahead, name, value)
+            patched.setattr(target, name, value)
             keys.append(ahead.package_key("m:k", layout, 1))
     with monkeypatch.context() as patched:
         patched.setenv("TORCHINDUCTOR_CPP_SIMDLEN", "8")
@@ -319,7 +323,8 @@ def test_a_package_is_keyed_by_layout_threads_torch_machine_settings_and_sources
 def test_arguments_that_overlap_in_memory_or_are_not_tensors_or_constants_are_not_packaged() -> None:
     wire = torch.zeros(100)
     layout, tensors = ahead.describe((wire[:10], wire[10:50], [wire[50:]], None, 2, True))
-    assert len(tensors) == 3 and layout[3:] == [["constant", None], ["constant", 2], ["constant", True]]
+    assert len(tensors) == 3 and layout[3:] == (("constant", None), ("constant", 2), ("constant", True))
+    assert json.loads(json.dumps(layout))[3] == ["constant", None]  # what the child is sent
     for overlapping in [
         (wire[:10], wire[9:20]),
         (wire, wire[50:]),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import grp
 import hashlib
 import itertools
@@ -129,9 +130,10 @@ def _own_file(path: Path) -> bool:
 
 
 def describe(args: tuple[Any, ...]) -> tuple[Any, list[Tensor]]:
-    """The layout of ``args`` as JSON-able data (tensors as ``["tensor", shape, strides, dtype]``, lists and tuples
-    recursively, constants as ``["constant", value]``) and the tensors in order; :class:`AheadUnsupported` for
-    anything else, and for tensors whose memory overlaps, another's or their own (a package assumes them apart)."""
+    """The layout of ``args`` as nested tuples, hashable and JSON-able (tensors as ``("tensor", shape, strides,
+    dtype)``, lists and tuples recursively, constants as ``("constant", value)``) and the tensors in order;
+    :class:`AheadUnsupported` for anything else, and for tensors whose memory overlaps, another's or their own (a
+    package assumes them apart)."""
     tensors: list[Tensor] = []
 
     def walk(value: Any) -> Any:
@@ -141,14 +143,14 @@ def describe(args: tuple[Any, ...]) -> tuple[Any, list[Tensor]]:
             if torch._debug_has_internal_overlap(value):  # 1: elements that share memory (expanded), 2: cannot tell
                 raise AheadUnsupported("a tensor whose elements overlap in memory")
             tensors.append(value)
-            return ["tensor", list(value.shape), list(value.stride()), str(value.dtype).removeprefix("torch.")]
+            return ("tensor", tuple(value.shape), value.stride(), str(value.dtype).removeprefix("torch."))
         if isinstance(value, (list, tuple)):
-            return ["list" if isinstance(value, list) else "tuple", [walk(v) for v in value]]
+            return ("list" if isinstance(value, list) else "tuple", tuple(walk(v) for v in value))
         if isinstance(value, _CONSTANTS):
-            return ["constant", value]
+            return ("constant", value)
         raise AheadUnsupported(f"an argument of type {type(value).__name__}")
 
-    layout = [walk(a) for a in args]
+    layout = tuple(walk(a) for a in args)
     spans = sorted(_span(t) for t in tensors if t.numel())
     if any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans)):
         raise AheadUnsupported("tensors that overlap in memory")
@@ -173,36 +175,26 @@ def rebuild(layout: Any, tensors: Iterator[Tensor]) -> Any:
     return items if kind == "list" else tuple(items)
 
 
-_digest: str | None = None
-
-
+@functools.cache
 def sources_digest() -> str:
     """A digest of the library's ``core`` sources, read once a process: a changed kernel, or anything it calls,
     builds anew (the child checks that it imported the same sources)."""
-    global _digest
-    if _digest is None:
-        sha = hashlib.sha256()
-        for path in sorted(_CORE.rglob("*.py")):
-            sha.update(str(path.relative_to(_CORE)).encode())
-            sha.update(path.read_bytes())
-        _digest = sha.hexdigest()
-    return _digest
+    sha = hashlib.sha256()
+    for path in sorted(_CORE.rglob("*.py")):
+        sha.update(str(path.relative_to(_CORE)).encode())
+        sha.update(path.read_bytes())
+    return sha.hexdigest()
 
 
-_machine: str | None = None
-
-
-def _cpu() -> str:
+@functools.cache
+def cpu_identity() -> str:
     """The CPU's model and feature flags (Linux's ``/proc/cpuinfo``; else the platform's name), read once."""
-    global _machine
-    if _machine is None:
-        try:
-            lines = Path("/proc/cpuinfo").read_text().splitlines()
-        except OSError:
-            lines = []
-        wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-        _machine = "\n".join(sorted(set(wanted))) or f"{platform.machine()} {platform.processor()}"
-    return _machine
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(wanted))) or f"{platform.machine()} {platform.processor()}"
 
 
 def package_key(kernel: str, layout: Any, threads: int) -> str:
@@ -213,7 +205,7 @@ def package_key(kernel: str, layout: Any, threads: int) -> str:
         "threads": threads,
         "torch": torch.__version__,
         "isa": torch.backends.cpu.get_cpu_capability(),
-        "cpu": _cpu(),
+        "cpu": cpu_identity(),
         "inductor": sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")),
         "sources": sources_digest(),
     }

@@ -26,7 +26,6 @@ The setting: :func:`set_codec_mode` or the environment variable ``GRADCOMP_CODEC
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -88,7 +87,8 @@ class FusedKernel:
         self.__doc__ = function.__doc__
         self._compiled: Callable[..., Any] | None = None
         self._warned_limit = False
-        self._packages: dict[str, Any] = {}  # ahead.Package by argument layout and thread count
+        self._packages: dict[tuple[Any, int], Any] = {}  # ahead.Package by argument layout and thread count
+        self._importable: bool | None = None
         self.compiled_calls = 0
         self.ahead_calls = 0
 
@@ -115,13 +115,18 @@ class FusedKernel:
         library, or not a module's attribute). Raises what building or loading raises."""
         from lightning_gradcomp.core import ahead
 
+        if self._importable is None:  # decided once: a module-level kernel of this library
+            module = sys.modules.get(self.function.__module__)
+            self._importable = self.function.__module__.startswith(ahead.LIBRARY) and (
+                getattr(module, self.__name__, None) is self
+            )
+        if not self._importable:
+            return self.function(*args)
         try:
-            if not self.function.__module__.startswith(ahead.LIBRARY) or self._module_attribute() is not self:
-                raise ahead.AheadUnsupported(f"{self.__name__} is not a module-level kernel of this library")
             layout, tensors = ahead.describe(args)
         except ahead.AheadUnsupported:
             return self.function(*args)
-        key = json.dumps([layout, torch.get_num_threads()])
+        key = (layout, torch.get_num_threads())
         package = self._packages.get(key)
         if package is None:
             if len(self._packages) >= RECOMPILE_LIMIT:
@@ -130,9 +135,6 @@ class FusedKernel:
         result = package(tensors)
         self.ahead_calls += 1
         return result
-
-    def _module_attribute(self) -> object:
-        return getattr(sys.modules.get(self.function.__module__), self.__name__, None)
 
     def _beyond_limit(self, *args: Any) -> Any:
         """A call of a size past the kernel's :data:`RECOMPILE_LIMIT` specialisations (a model of many parameter sizes):
