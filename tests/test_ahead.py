@@ -135,6 +135,22 @@ def test_a_process_running_packages_imports_nothing_of_torch_that_the_eager_code
     assert "torch._inductor.codegen.cpp" not in packaged["modules"]  # inductor's code generator never loads
 
 
+def test_the_compilers_precompiled_headers_and_temporary_files_stay_inside_the_private_cache(
+    built: object, kernel_cache: Path
+) -> None:
+    """The headers inductor precompiles (code that goes into every package) live in the temporary directory's
+    ``torchinductor_<user>``, not in its cache directory: the builder's temporary directory is the cache's own."""
+    from torch._inductor import config
+
+    built("ahead")
+    ScaledSignCompressor().compress(_gradient(5), None)  # built or loaded: the builder ran in this cache
+    temporary = kernel_cache / "tmp"
+    assert temporary.is_dir() and temporary.stat().st_mode & 0o777 == 0o700
+    if getattr(config.aot_inductor, "precompile_headers", False):
+        headers = list(temporary.glob("torchinductor_*/precompiled_headers/*.gch"))
+        assert headers, sorted(str(p.relative_to(kernel_cache)) for p in temporary.rglob("*"))[:20]
+
+
 def _packaged_and_eager(rank: int, world_size: int, cache: str) -> dict:
     import torch.distributed as dist
 

@@ -296,8 +296,13 @@ class _Builder:
             self._forget()
         if self._process is None or self._process.poll() is not None:
             env = dict(os.environ)
-            # the child's own compiler cache, inside the checked directory: no one else can change what it builds from
+            # the child's own compiler cache and temporary directory, inside the checked directory: no one else can
+            # change what it builds from (inductor keeps its precompiled headers, code that goes into every package,
+            # in the temporary directory's ``torchinductor_<user>``, whatever its cache directory is)
             env["TORCHINDUCTOR_CACHE_DIR"] = str(directory / "inductor")
+            temporary = directory / "tmp"
+            temporary.mkdir(mode=0o700, exist_ok=True)
+            env["TMPDIR"] = str(temporary)
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compile workers for one kernel
             fd = os.open(directory / "builder.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "a") as errors:
