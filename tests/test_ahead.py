@@ -135,11 +135,12 @@ def test_a_process_running_packages_imports_nothing_of_torch_that_the_eager_code
     assert "torch._inductor.codegen.cpp" not in packaged["modules"]  # inductor's code generator never loads
 
 
-def test_the_compilers_precompiled_headers_and_temporary_files_stay_inside_the_private_cache(
+def test_the_compilers_precompiled_headers_are_built_inside_the_private_cache(
     built: object, kernel_cache: Path
 ) -> None:
     """The headers inductor precompiles (code that goes into every package) live in the temporary directory's
-    ``torchinductor_<user>``, not in its cache directory: the builder's temporary directory is the cache's own."""
+    ``torchinductor_<user>``, not in its cache directory: the builder's temporary directory is the cache's own (a real
+    build; where the builder's directories point is tested with a stand-in below)."""
     from torch._inductor import config
 
     built("ahead")
@@ -410,6 +411,41 @@ def test_a_builder_that_misbehaves_is_stopped_and_the_build_fails(
     with pytest.raises(ahead.BuildFailed, match=message):
         builder.build(request, tmp_path)
     assert builder._process is None  # stopped: no later request reads this one's reply
+
+
+#: A stand-in builder that answers each request with the directories it compiles in, read from its environment (a
+#: template, as the builder's own command: braces doubled).
+_ENVIRONMENT_CHILD = """
+import json, os, sys
+for line in sys.stdin:
+    request = json.loads(line)
+    if request.get("quit"):
+        break
+    where = {{"tmp": os.environ["TMPDIR"], "inductor": os.environ["TORCHINDUCTOR_CACHE_DIR"], "pid": os.getpid()}}
+    print(json.dumps({{"ok": True, "ticket": request["ticket"], **where}}), flush=True)
+"""
+
+
+def test_the_builder_compiles_in_the_cache_it_builds_for_and_is_restarted_for_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its temporary directory (where inductor precompiles the headers every package includes) and its compiler cache
+    are inside the private cache a package is built for; a build for another cache gets a child of its own."""
+    monkeypatch.setattr(ahead, "_CHILD", _ENVIRONMENT_CHILD)
+    builder = ahead._Builder()
+    answers = []
+    monkeypatch.setattr(builder, "_exchange", lambda *a: answers.append(ahead._Builder._exchange(*a)) or answers[-1])
+    request = {"kernel": "k", "path": "p"}
+    first, second = tmp_path / "first", tmp_path / "second"
+    for directory in (first, first, second):
+        directory.mkdir(mode=0o700, exist_ok=True)
+        builder.build(request, directory)
+    builder.close()
+    assert [(a["tmp"], a["inductor"]) for a in answers] == [
+        (str(d / "tmp"), str(d / "inductor")) for d in (first, first, second)
+    ]
+    assert answers[0]["pid"] == answers[1]["pid"] != answers[2]["pid"]
+    assert all((d / "tmp").stat().st_mode & 0o777 == 0o700 for d in (first, second))
 
 
 def test_the_build_timeout_is_validated_where_it_enters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

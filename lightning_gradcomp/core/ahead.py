@@ -234,6 +234,7 @@ class _Builder:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
+        self._directory: Path | None = None  # the cache the child compiles in (its compiler cache, its TMPDIR)
         self._owner = os.getpid()
         self._lock = threading.Lock()
         self._requests = itertools.count()
@@ -294,7 +295,10 @@ class _Builder:
     def _started(self, directory: Path) -> subprocess.Popen[str]:
         if self._owner != os.getpid():  # a forked process (a data loader's worker): the parent's child is not its own
             self._forget()
+        if self._process is not None and self._directory != directory:  # another cache: a child that compiles in it
+            self.close()
         if self._process is None or self._process.poll() is not None:
+            self._directory = directory
             env = dict(os.environ)
             # the child's own compiler cache and temporary directory, inside the checked directory: no one else can
             # change what it builds from (inductor keeps its precompiled headers, code that goes into every package,

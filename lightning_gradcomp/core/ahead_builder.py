@@ -26,7 +26,7 @@ from lightning_gradcomp.core.fused import FusedKernel, inductor_options
 #: AOTInductor's settings for a package's C++ wrapper (the glue that checks the arguments and calls the kernel; the
 #: kernel itself is compiled at -O3 whatever they say): unoptimised and without line tables, a package builds in 7.1-7.3
 #: s instead of 11.7-13.3, and a call costs 14 us instead of 7 (one AMD EPYC core, EF-sign's encoder).
-WRAPPER_OPTIONS = {"compile_wrapper_opt_level": "O0", "enable_line_tables": False}
+WRAPPER_OPTIONS: dict[str, Any] = {"compile_wrapper_opt_level": "O0", "enable_line_tables": False}
 
 
 def build_options() -> dict[str, Any]:
