@@ -18,7 +18,10 @@ from lightning_gradcomp.core.compressors.blocks import streamed_above
 from lightning_gradcomp.core.compressors.gaussiank import GaussianKCompressor
 from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices
 from lightning_gradcomp.core.compressors.precision import scaled_cast
+from lightning_gradcomp.core.compressors.radix import magnitude_digits, radix_top_k
+from lightning_gradcomp.core.compressors.segments import Segments
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k
+from lightning_gradcomp.core.fused import set_codec_mode
 from lightning_gradcomp.core.host_waits import host_waits
 from lightning_gradcomp.core.randomness import CounterStream
 
@@ -55,22 +58,28 @@ def test_top_k_selects_the_cpus_entries_from_a_device_generator() -> None:
 
 def test_host_waits_counts_a_read_back() -> None:
     x = torch.ones(1000, device=CUDA)
+    x.sum().item()  # the process's first read-back counted 2 waits on torch 2.11 (it allocates its pinned scalar)
     assert host_waits(lambda: x.sum().item(), CUDA) == 1 and host_waits(lambda: x.mul_(2), CUDA) == 0
 
 
-def by_levels(codec: TopKCompressor) -> TopKCompressor:
-    codec.device_selection = "levels"
+def selecting_by(codec: TopKCompressor, way: str) -> TopKCompressor:
+    codec.device_selection = way
     return codec
 
 
 @pytest.mark.parametrize(
     ("codec", "waits"),
-    [(TopKCompressor(0.01), 0), (by_levels(TopKCompressor(0.01)), 1), (GaussianKCompressor(0.01), 1)],
-    ids=["topk", "topk-by-levels", "gaussiank"],
+    [
+        (TopKCompressor(0.01), 0),
+        (selecting_by(TopKCompressor(0.01), "radix"), 0),
+        (selecting_by(TopKCompressor(0.01), "levels"), 1),
+        (GaussianKCompressor(0.01), 1),
+    ],
+    ids=["topk-by-torch.topk", "topk-by-radix", "topk-by-levels", "gaussiank"],
 )
 def test_a_selection_on_the_device_waits_for_it_at_most_once(codec: TopKCompressor, waits: int) -> None:
-    # torch.topk never waits; the ladder's one read-back sizes the selection; the CPU's sampled threshold and
-    # Gaussian_k's refinements read a count per try (391 waits for 1e8 entries)
+    # torch.topk and the radix select never wait; the ladder's one read-back sizes the selection; the CPU's sampled
+    # threshold and Gaussian_k's refinements read a count per try (391 waits for 1e8 entries)
     x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(4)).to(CUDA)
     first = codec.compress(x, CounterStream(0, CUDA))  # a first call may wait where the allocator grows
     assert host_waits(lambda: codec.compress(x, CounterStream(1, CUDA)), CUDA) == waits
@@ -83,6 +92,46 @@ def test_a_selection_on_the_device_waits_for_it_at_most_once(codec: TopKCompress
         assert 50_000 <= int(kept.sum()) <= 100_000 and float(x.abs().cpu()[kept].min()) > float(
             x.abs().cpu()[~kept].max()
         )
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [
+        ("compiled", "gaussian"),
+        ("compiled", "ties"),
+        *(("eager", kind) for kind in ["gaussian", "ties", "bf16", "pieces"]),
+    ],
+)
+def test_the_radix_select_is_the_cpus_ties_included_and_never_waits(mode: str, kind: str) -> None:
+    generator = torch.Generator().manual_seed(5)
+    n, k = 20_000_003, 200_000  # two chunks of 2^24 and a part
+    x = torch.randn(n, generator=generator)
+    if kind == "ties":
+        x = torch.randint(-3, 4, (n,), generator=generator).float()
+    elif kind == "bf16":
+        x = x.bfloat16()
+    expected = ascending_top_k(x.float().abs(), k)
+    on_device = x.to(CUDA)
+    flat = Segments([on_device[:7_000_001], on_device[7_000_001:]]) if kind == "pieces" else on_device
+    set_codec_mode(mode)
+    compiled_before = magnitude_digits.compiled_calls
+    try:
+        assert torch.equal(radix_top_k(flat, k).cpu(), expected)
+        assert host_waits(lambda: radix_top_k(flat, k), CUDA) == 0
+        assert (magnitude_digits.compiled_calls > compiled_before) == (mode == "compiled")
+    finally:
+        set_codec_mode("eager")
+
+
+def test_top_k_by_radix_under_deterministic_algorithms_selects_by_torch_topk() -> None:
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(6))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert radix_top_k(x.to(CUDA), 10_000) is None  # CUDA's histc is refused there
+        on_device = selecting_by(TopKCompressor(0.01), "radix").compress(x.to(CUDA)).indices.cpu()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(on_device, ascending_top_k(x.abs(), 10_000))
 
 
 @pytest.mark.parametrize(("n", "k", "capacity"), [(25_000_000, 250_000, None), (1000, 600, None), (10**6, 5000, 8000)])

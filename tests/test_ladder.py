@@ -112,5 +112,7 @@ def test_a_misspelt_device_selection_is_refused_by_name() -> None:
 
     codec = TopKCompressor(0.01)
     codec.device_selection = "level"
-    with pytest.raises(ValueError, match=r"device_selection must be one of \['torch.topk', 'levels'\], got 'level'"):
+    with pytest.raises(
+        ValueError, match=r"device_selection must be one of \['torch.topk', 'radix', 'levels'\], got 'level'"
+    ):
         codec.select_k(torch.empty(1000, device="meta"), 10)  # off the CPU, where the choice is read

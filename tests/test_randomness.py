@@ -46,15 +46,29 @@ def test_bits_are_the_reference_hash_counters_wrapping(start: int) -> None:
 
 
 def test_a_draw_depends_on_its_counter_alone() -> None:
-    key = KEYS[0]
+    stream = CounterStream(KEYS[0])
+    key = stream.key  # the integer mixed: the hash's key
     whole = counter_bits(key, 0, 1000)
     assert torch.equal(counter_bits(key, 300, 200), whole[300:500])
-    stream = CounterStream(key)
     assert torch.equal(torch.cat([stream.bits(10), stream.bits(20)]), whole[:30])  # successive draws never overlap
     assert torch.equal(stream.uniform(5), counter_uniform(key, 30, 5))
-    wide = CounterStream(key).bits53(3).tolist()  # two draws each: the first's 32 bits over the second's top 21
+    wide = CounterStream(KEYS[0]).bits53(3).tolist()  # two draws each: the first's 32 bits over the second's top 21
     assert wide == [(reference_bits(key, 2 * i) << 21) | (reference_bits(key, 2 * i + 1) >> 11) for i in range(3)]
-    assert torch.equal(UnitStreams(0, 1).generator(torch.device("cpu"), 0, 17).bits(64), counter_bits(KEYS[2], 0, 64))
+    unit = UnitStreams(0, 1).generator(torch.device("cpu"), 0, 17)
+    assert torch.equal(unit.bits(64), CounterStream(KEYS[2]).bits(64))
+
+
+def test_streams_of_nearby_integers_share_no_stretch_of_bits() -> None:
+    """Keys ``0 .. 63`` (a test's seeds, a benchmark's steps) name independent streams: no 8-draw stretch of one
+    appears anywhere in the first 4096 draws of another (unmixed, key ``s`` would repeat key ``0``'s draws in another
+    order: counter ``c`` of one is counter ``c ^ s`` of the other)."""
+    draws = [unsigned_of(CounterStream(key).bits(4096)) for key in range(64)]
+    seen: dict[tuple[int, ...], int] = {}
+    for key, bits in enumerate(draws):
+        for start in range(0, 4096, 8):
+            stretch = tuple(bits[start : start + 8].tolist())
+            assert seen.setdefault(stretch, key) == key, (key, seen[stretch])
+    assert len(torch.cat(draws).unique()) > 0.999 * 64 * 4096  # 2^18 draws of 32 bits: ~8 equal pairs expected
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -107,7 +121,7 @@ def test_stratified_positions_take_one_draw_each_and_are_uniform_within_their_st
     width = 1_000
     drawn = stratified_positions(stream, width * N, N, torch.device("cpu"))
     assert drawn.dtype == torch.int64 and stream.offset == N
-    assert drawn.tolist()[:64] == [i * width + ((reference_bits(KEYS[2], i) * width) >> 32) for i in range(64)]
+    assert drawn.tolist()[:64] == [i * width + ((reference_bits(stream.key, i) * width) >> 32) for i in range(64)]
     offsets = drawn - torch.arange(N) * width
     assert offsets.min() >= 0 and offsets.max() < width
     counts = torch.bincount(offsets, minlength=width).double()

@@ -11,10 +11,10 @@ mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/summary.txt" 2>&1
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/summary.txt" 2>&1
-timeout 80 python -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/test_cuda.py tests/test_cuda_training.py \
+timeout 100 python -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/test_cuda.py tests/test_cuda_training.py \
     tests/test_fused.py > "$out/cuda_tests.txt" 2>&1
 echo "cuda tests: exit $?" >> "$out/summary.txt"
-timeout 240 python benchmarks/gpu/codecs.py --out "$out" > "$out/codecs.log" 2>&1
+timeout 220 python benchmarks/gpu/codecs.py --out "$out" > "$out/codecs.log" 2>&1
 echo "codecs: exit $?" >> "$out/summary.txt"
 timeout 90 python benchmarks/gpu/ddp_step.py --out "$out" > "$out/ddp_step.log" 2>&1
 echo "ddp step: exit $?" >> "$out/summary.txt"

@@ -13,9 +13,9 @@ own), and in any order the units are compressed; nothing but ``seed`` and the st
 The bits pass frequency tests of every bit, of each byte and of pairs of successive bytes, and neighbouring counters
 and streams one rank, one step or one high key bit apart are uncorrelated (``tests/test_randomness.py``).
 
-:class:`CounterStream` is one unit's stream at one step: each draw from it takes the next block of counters, so two
-draws never share bits. The compressors also take a ``torch.Generator`` (a test's, or a user's), which they use as
-torch does.
+:class:`CounterStream` is one unit's stream at one step (its key mixed once more, so that any integers, nearby ones
+too, name independent streams): each draw from it takes the next block of counters, so two draws never share bits.
+The compressors also take a ``torch.Generator`` (a test's, or a user's), which they use as torch does.
 """
 
 from __future__ import annotations
@@ -135,10 +135,15 @@ def counter_uniform(key: int, start: int, count: int, device: torch.device | str
 
 
 class CounterStream:
-    """One unit's draws at one step: successive draws take successive blocks of counters of one key."""
+    """One unit's draws at one step: successive draws take successive blocks of counters of one key.
+
+    ``key`` is any integer: it is mixed (SplitMix64) into the stream's 64-bit key :attr:`key`, so that streams of
+    nearby integers (seeds ``0, 1, 2, ...``) are independent. Unmixed, they would not be: the hash XORs the counter
+    with the key's low half, so key ``s`` at counter ``c`` would be key ``0`` at counter ``c ^ s``.
+    """
 
     def __init__(self, key: int, device: torch.device | str = "cpu") -> None:
-        self.key = key & _MASK64
+        self.key = _splitmix64(key & _MASK64)
         self.device = torch.device(device)
         self.offset = 0
 

@@ -11,12 +11,13 @@ from torch import Tensor
 from lightning_gradcomp.core.compressors.base import all_finite
 from lightning_gradcomp.core.compressors.draws import Draws, stratified_positions
 from lightning_gradcomp.core.compressors.ladder import top_k_by_levels
+from lightning_gradcomp.core.compressors.radix import radix_top_k
 from lightning_gradcomp.core.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
 from lightning_gradcomp.core.validation import check_choice, check_density
 
 #: How Top-k selects off the CPU (:attr:`TopKCompressor.device_selection`).
-DEVICE_SELECTIONS = ("torch.topk", "levels")
+DEVICE_SELECTIONS = ("torch.topk", "radix", "levels")
 
 
 def ascending_top_k(magnitudes: Tensor, k: int) -> Tensor:
@@ -123,8 +124,10 @@ class TopKCompressor(FixedKSparsifier):
     #: only costs time (the candidates' pass is the same, their Top-k about 10% smaller at density 0.01)
     max_samples: int | None = 1 << 16
     #: how a selection is found off the CPU: ``"torch.topk"`` (a radix select over all entries, no wait for the
-    #: device; 2.2 ms for 1% of 1e8 entries on an H200) or ``"levels"`` (a ladder of thresholds counted in one
-    #: pass, one wait, then a Top-k of the candidates; not yet timed on a GPU)
+    #: device; 2.2 ms for 1% of 1e8 entries on an H200, then a sort of the ``k`` indices), ``"radix"`` (three
+    #: counting passes over the magnitudes' bits and one selecting pass, no wait either:
+    #: :func:`~lightning_gradcomp.core.compressors.radix.radix_top_k`; not yet timed on a GPU) or ``"levels"`` (a
+    #: ladder of thresholds counted in one pass, one wait, then a Top-k of the candidates)
     device_selection: str = "torch.topk"
 
     def __init__(self, density: float = 0.001) -> None:
@@ -177,14 +180,16 @@ class TopKCompressor(FixedKSparsifier):
         return self.select_k(flat, k, generator)
 
     def select_k(self, flat: Tensor | Segments, k: int, generator: Draws = None) -> Tensor:
-        """Indices of exactly ``k < d`` entries of largest ``|flat|``; see the class for the method. Off the CPU,
-        ``torch.topk`` (a radix select that never waits for the host, where the sampled threshold's count and
-        fallback would make it wait several times), or with ``device_selection = "levels"`` the candidates of a
-        ladder of levels counted in one pass (:func:`~lightning_gradcomp.core.compressors.ladder.top_k_by_levels`:
-        one wait)."""
+        """Indices of exactly ``k < d`` entries of largest ``|flat|``; see the class for the method. Off the CPU, as
+        :attr:`device_selection` says, without the sampled threshold's count and fallback, which would make the host
+        wait for the device several times: by default ``torch.topk``, which never waits."""
         if flat.device.type != "cpu":
-            by_levels = check_choice("device_selection", self.device_selection, DEVICE_SELECTIONS) == "levels"
-            chosen = top_k_by_levels(flat, k, self.density) if by_levels else None
+            way = check_choice("device_selection", self.device_selection, DEVICE_SELECTIONS)
+            chosen = None
+            if way == "radix":
+                chosen = radix_top_k(flat, k)
+            elif way == "levels":
+                chosen = top_k_by_levels(flat, k, self.density)
             return self.exact_select(flat).sort().values if chosen is None else chosen
         if generator is None:
             return self.exact_select(flat)
