@@ -22,6 +22,7 @@ from lightning_gradcomp.core.compressors.radix import magnitude_digits, radix_to
 from lightning_gradcomp.core.compressors.segments import Segments
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k
 from lightning_gradcomp.core.fused import set_codec_mode
+from lightning_gradcomp.core.host_copies import device_tensor
 from lightning_gradcomp.core.host_waits import host_waits
 from lightning_gradcomp.core.randomness import CounterStream
 
@@ -60,6 +61,13 @@ def test_host_waits_counts_a_read_back() -> None:
     x = torch.ones(1000, device=CUDA)
     x.sum().item()  # the process's first read-back counted 2 waits on torch 2.11 (it allocates its pinned scalar)
     assert host_waits(lambda: x.sum().item(), CUDA) == 1 and host_waits(lambda: x.mul_(2), CUDA) == 0
+
+
+def test_host_values_and_a_unit_in_pieces_reach_the_device_without_a_wait() -> None:
+    x = torch.randn(3000, device=CUDA)
+    assert host_waits(lambda: device_tensor([0, 7, 2**40], torch.int64, CUDA), CUDA) == 0
+    assert host_waits(lambda: Segments([x[:1000], x[1000:]])._bounds, CUDA) == 0
+    assert device_tensor([0, 7, 2**40], torch.int64, CUDA).tolist() == [0, 7, 2**40]
 
 
 def selecting_by(codec: TopKCompressor, way: str) -> TopKCompressor:

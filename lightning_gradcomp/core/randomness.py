@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.core.host_copies import device_tensor
+
 __all__ = [
     "SHARED",
     "CounterStream",
@@ -115,11 +117,7 @@ def unsigned_of(bits: Tensor) -> Tensor:
 def key_block(key: int, start: int, device: torch.device | str = "cpu") -> Tensor:
     """The :func:`hash_counters` block of stream ``key`` from counter ``start``, on ``device``. On CUDA it is copied
     from pinned memory without waiting (no host synchronisation)."""
-    words = torch.tensor([_to_int32(key), _to_int32(key >> 32), _to_int32(start)], dtype=torch.int32)
-    device = torch.device(device)
-    if device.type == "cuda":
-        return words.pin_memory().to(device, non_blocking=True)
-    return words.to(device)
+    return device_tensor([_to_int32(key), _to_int32(key >> 32), _to_int32(start)], torch.int32, device)
 
 
 def counter_bits(key: int, start: int, count: int, device: torch.device | str = "cpu") -> Tensor:

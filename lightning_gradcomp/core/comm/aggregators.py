@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_gradcomp.core.comm.collectives import Collectives
 from lightning_gradcomp.core.compressors import Compressor, Entries, IdentityCompressor, Payload, all_finite
 from lightning_gradcomp.core.compressors.sparse import SparseEntries, dense_of
+from lightning_gradcomp.core.host_copies import device_tensor
 from lightning_gradcomp.core.workspace import Scratch
 
 
@@ -277,7 +278,7 @@ class AllgatherAggregator(Aggregator):
                 raise RuntimeError(f"payload sizes {[b.numel() for b in buffers]} differ from the declared {fixed}")
             unit_sizes = [fixed] * world
         else:
-            local_sizes = torch.tensor([b.numel() for b in buffers], dtype=torch.int64, device=buffers[0].device)
+            local_sizes = device_tensor([b.numel() for b in buffers], torch.int64, buffers[0].device)
             unit_sizes = collectives.all_gather(local_sizes).tolist()
         # the payloads written end to end into this rank's row of the gathered bytes (no joined copy); where their
         # sizes are fixed, into a buffer kept with the first unit's (sizes that change would reallocate it anyway)

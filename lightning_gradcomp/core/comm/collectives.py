@@ -178,7 +178,7 @@ class Collectives:
         numel = sum(p.numel() for p in parts)
         device = parts[0].device
         if sizes is None:
-            local = torch.tensor([numel], dtype=torch.int64, device=device)
+            local = torch.full((1,), numel, dtype=torch.int64, device=device)
             sizes = self.all_gather(local).reshape(-1).tolist()
         elif len(sizes) != self.world_size or sizes[self.rank] != numel:
             raise ValueError(f"sizes {sizes} do not match world size {self.world_size} and this rank's buffer")

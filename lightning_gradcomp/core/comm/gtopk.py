@@ -224,7 +224,7 @@ def _pack(sets: Sequence[SparseSet], units: Sequence[_Unit], flags: Sequence[Ten
     parts: list[Tensor] = []
     for i, (entries, unit) in enumerate(zip(sets, units, strict=True)):
         device = entries.values.device
-        parts.append(torch.tensor([entries.indices.numel()], dtype=_COUNT_DTYPE, device=device))
+        parts.append(torch.full((1,), entries.indices.numel(), dtype=_COUNT_DTYPE, device=device))
         parts.append(encode_indices(entries.indices, unit.numel, capacity=unit.k))
         parts.append(_padded(entries.values.to(unit.wire), unit.k, unit.wire))
         if flags is not None:

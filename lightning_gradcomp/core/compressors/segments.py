@@ -12,6 +12,7 @@ the bucket without a flat buffer either.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import BlockPeaks, MagnitudeBlocks, above
 from lightning_gradcomp.core.compressors.indices import is_ascending, narrowed
+from lightning_gradcomp.core.host_copies import device_tensor
 
 __all__ = [
     "PieceBlocks",
@@ -49,8 +51,12 @@ class Segments:
             raise ValueError("the parts of Segments must share one dtype and device")
         self.numels = [p.numel() for p in self.parts]
         self.starts = [0, *accumulate(self.numels[:-1])]
-        # the first flat index of every part but the first: searchsorted on it gives an index's part
-        self._bounds = torch.tensor(self.starts[1:], dtype=torch.long, device=first.device)
+
+    @cached_property
+    def _bounds(self) -> Tensor:
+        """The first flat index of every part but the first (searchsorted on it gives an index's part), made where an
+        index is first routed: a unit read in pieces by a codec that never routes one (a 16-bit wire) copies none."""
+        return device_tensor(self.starts[1:], torch.long, self.device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -20,6 +20,7 @@ from lightning_gradcomp.core.compressors.indices import (
 )
 from lightning_gradcomp.core.compressors.segments import Segments
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
+from lightning_gradcomp.core.host_copies import device_tensor
 
 #: The count that starts a sparse payload's wire form (int64: a unit of any size).
 COUNT_DTYPE = torch.int64
@@ -110,7 +111,7 @@ class SparsePayload(Payload):
         if indices.device.type != "cpu" or not is_ascending(indices):
             indices, order = torch.sort(indices)
             values = values[order]
-        count = torch.tensor([self.k], dtype=COUNT_DTYPE, device=self.values.device)
+        count = torch.full((1,), self.k, dtype=COUNT_DTYPE, device=self.values.device)  # filled there: no copy
         encoded = encode_indices(indices, self.numel, self.slots)
         padding = 0 if self.slots is None else self.slots - self.k
         return to_bytes([count, encoded, zero_padded(values, padding)])
@@ -191,7 +192,7 @@ class SparseEntries:
         vouches = self.vouches_finite
         whole = (self.values if self.finite_of is None else self.finite_of) if vouches else None
         if is_ascending(self.indices):  # each slice's entries are one run: cut it by binary search
-            cuts = torch.tensor(starts, dtype=self.indices.dtype, device=self.indices.device)
+            cuts = device_tensor(starts, self.indices.dtype, self.indices.device)
             edges = torch.searchsorted(self.indices, cuts).tolist()
             return [
                 SparseEntries(

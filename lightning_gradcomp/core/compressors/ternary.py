@@ -364,7 +364,7 @@ def stochastic_levels(
     ``packed`` is given (then returned). ``levels``, when given, is ``s``: ``u_j`` is clamped to it, since
     ``|g_j| (s / N)`` can round above ``s`` where one element holds its block's whole norm.
     """
-    top = None if levels is None else torch.tensor(float(levels), dtype=g.dtype, device=g.device)
+    top = None if levels is None else torch.full((), float(levels), dtype=g.dtype, device=g.device)  # no copy
     return _stochastic_codes(g, multipliers, block_size, generator, top, True, packing, packed)
 
 
