@@ -12,6 +12,7 @@ import lightning_gradcomp.core.compressors.indices as indices_module
 from lightning_gradcomp.core.compressors import SparsePayload, TopKCompressor
 from lightning_gradcomp.core.compressors.indices import (
     decode_indices,
+    edges_if_ascending,
     encode_indices,
     encoded_nbytes,
     index_format,
@@ -176,3 +177,14 @@ def test_bits_packed_in_byte_columns_are_the_word_streams_bytes_and_come_back(
         assert torch.equal(unpack_bits(at_offset, count, width), values)
     assert calls["packed"] == (2 if width <= 57 and count >= 131_072 else 0)
     assert calls["unpacked"] == (4 if width <= 57 and count >= 65_536 else 0)
+
+
+@pytest.mark.parametrize(
+    ("indices", "expected"),
+    [([], [0, 0]), ([5], [0, 1]), ([1, 4, 9, 12], [1, 3]), ([1, 4, 4, 12], None), ([9, 4], None)],
+)
+def test_edges_are_searchsorteds_where_the_indices_rise_and_none_elsewhere(
+    indices: list[int], expected: list[int] | None
+) -> None:
+    got = edges_if_ascending(torch.tensor(indices, dtype=torch.int32), torch.tensor([3, 10]))
+    assert got == expected

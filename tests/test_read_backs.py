@@ -12,9 +12,11 @@ counts that its device selection does not).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import tempfile
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -25,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gradcomp import NAMED_STRATEGIES, gradcomp_comm_hook, make_hook
+from lightning_gradcomp.core.compressors.segments import Segments
+from lightning_gradcomp.core.compressors.sparse import SparseEntries
 from lightning_gradcomp.core.host_copies import device_tensor
 
 READS_BACK = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "repeat_interleave"}
@@ -45,6 +49,25 @@ class ReadBacks(TorchDispatchMode):
         elif name == "lift_fresh" and not any(f.filename.endswith("host_copies.py") for f in traceback.extract_stack()):
             self.counts["copy from pageable memory"] += 1
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting_read_backs() -> Iterator[collections.Counter[str]]:
+    """:class:`ReadBacks`' counts of what runs inside, ``tolist()`` among them (a read-back that dispatches no
+    operation)."""
+    counting = ReadBacks()
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self: torch.Tensor) -> object:
+        counting.counts["tolist"] += 1
+        return tolist(self)
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with counting:
+            yield counting.counts
+    finally:
+        torch.Tensor.tolist = tolist
 
 
 @pytest.fixture(scope="module")
@@ -78,20 +101,9 @@ def read_backs_in_a_step(preset: str | None) -> collections.Counter[str]:
 
     for _ in range(3):
         step()
-    counting = ReadBacks()
-    tolist = torch.Tensor.tolist
-
-    def counted_tolist(self: torch.Tensor) -> object:  # a read-back that dispatches no operation
-        counting.counts["tolist"] += 1
-        return tolist(self)
-
-    torch.Tensor.tolist = counted_tolist
-    try:
-        with counting:
-            step()
-    finally:
-        torch.Tensor.tolist = tolist
-    return counting.counts
+    with counting_read_backs() as counts:
+        step()
+    return counts
 
 
 def test_the_counter_sees_a_read_back_on_the_hooks_thread(group: dist.ProcessGroup) -> None:
@@ -108,3 +120,18 @@ def test_host_values_reach_a_device_as_torch_tensor_makes_them() -> None:
     for values, dtype in (([0, 5, 2**40], torch.int64), ([1.5, -2.0], torch.float32), ([-7, 3], torch.int32)):
         made = device_tensor(values, dtype, "cpu")
         assert made.dtype == dtype and torch.equal(made, torch.tensor(values, dtype=dtype))
+
+
+def test_a_sparse_mean_cut_by_parameter_and_routed_to_pieces_reads_back_once_each() -> None:
+    """Ascending indices: whether they ascend and where the cuts fall are read back together (one wait on a GPU)."""
+    indices = torch.tensor([3, 10, 999, 1000, 1500, 2999])
+    entries = SparseEntries(indices, torch.arange(6.0), 3000)
+    with counting_read_backs() as counts:
+        parts = entries.split([1000, 2000])
+    assert dict(counts) == {"tolist": 1}
+    assert [p.indices.tolist() for p in parts] == [[3, 10, 999], [0, 500, 1999]]
+    pieces = Segments([torch.arange(1000.0), torch.arange(1000.0, 3000.0)])
+    with counting_read_backs() as counts:
+        gathered = pieces.gather(indices)
+    assert counts["tolist"] == 1 and counts["_local_scalar_dense"] == 0
+    assert gathered.tolist() == [3.0, 10.0, 999.0, 1000.0, 1500.0, 2999.0]

@@ -23,6 +23,7 @@ from torch import Tensor
 
 __all__ = [
     "decode_indices",
+    "edges_if_ascending",
     "encode_indices",
     "encoded_nbytes",
     "index_format",
@@ -40,6 +41,17 @@ __all__ = [
 def is_ascending(indices: Tensor) -> bool:
     """Whether the 1-D ``indices`` rise strictly (one comparison per index: far cheaper than sorting them again)."""
     return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
+
+
+def edges_if_ascending(indices: Tensor, cuts: Tensor) -> list[int] | None:
+    """Where each of the ascending ``cuts`` falls in the 1-D ``indices`` (``torch.searchsorted``), or ``None`` if the
+    indices do not rise strictly: the check and the edges read back together, one wait on a device instead of two."""
+    edges = torch.searchsorted(indices, cuts.to(indices.dtype))  # read only where the indices rise
+    if indices.numel() < 2:
+        return edges.tolist()
+    rising = (indices[1:] > indices[:-1]).all().to(edges.dtype).reshape(1)
+    read = torch.cat([rising, edges]).tolist()
+    return read[1:] if read[0] else None
 
 
 def low_bits(n: int, k: int) -> int:

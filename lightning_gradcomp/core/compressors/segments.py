@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.compressors.blocks import BlockPeaks, MagnitudeBlocks, above
-from lightning_gradcomp.core.compressors.indices import is_ascending, narrowed
+from lightning_gradcomp.core.compressors.indices import edges_if_ascending, narrowed
 from lightning_gradcomp.core.host_copies import device_tensor
 
 __all__ = [
@@ -78,14 +78,15 @@ class Segments:
         so, or found so: decoded payloads and Top-k's selections are) are cut into runs by one binary search per
         part; others are sorted out by part with a mask each."""
         routes: list[tuple[slice | Tensor, Tensor, Tensor]] = []
-        if ascending or is_ascending(indices):
-            bounds = self._bounds.to(indices.dtype)  # of the indices' dtype: else searchsorted widens them all
-            edges = [0, *torch.searchsorted(indices, bounds).tolist(), indices.numel()]
+        bounds = self._bounds.to(indices.dtype)  # of the indices' dtype: else searchsorted widens them all
+        inner = torch.searchsorted(indices, bounds).tolist() if ascending else edges_if_ascending(indices, bounds)
+        if inner is not None:  # the check and the binary search read back at once
+            edges = [0, *inner, indices.numel()]
             for part, start, lo, hi in zip(self.parts, self.starts, edges[:-1], edges[1:], strict=True):
                 if hi > lo:  # the first part's indices are its own: a view, no copy
                     routes.append((slice(lo, hi), indices[lo:hi] - start if start else indices[lo:hi], part))
             return routes
-        which = torch.searchsorted(self._bounds.to(indices.dtype), indices, right=True)
+        which = torch.searchsorted(bounds, indices, right=True)
         for i, (part, start) in enumerate(zip(self.parts, self.starts, strict=True)):
             positions = torch.nonzero(which == i).reshape(-1)
             if positions.numel():

@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_gradcomp.core.compressors.base import Compressor, Entries, Payload, all_finite, subtract_by_adding
 from lightning_gradcomp.core.compressors.indices import (
     decode_indices,
+    edges_if_ascending,
     encode_indices,
     encoded_nbytes,
     is_ascending,
@@ -191,9 +192,9 @@ class SparseEntries:
         starts = [0, *accumulate(numels)]
         vouches = self.vouches_finite
         whole = (self.values if self.finite_of is None else self.finite_of) if vouches else None
-        if is_ascending(self.indices):  # each slice's entries are one run: cut it by binary search
-            cuts = device_tensor(starts, self.indices.dtype, self.indices.device)
-            edges = torch.searchsorted(self.indices, cuts).tolist()
+        # each slice's entries are one run where the indices ascend: cut by binary search (one read-back for both)
+        edges = edges_if_ascending(self.indices, device_tensor(starts, self.indices.dtype, self.indices.device))
+        if edges is not None:
             return [
                 SparseEntries(
                     self.indices[lo:hi] - start if start else self.indices[lo:hi], self.values[lo:hi], n, vouches, whole
