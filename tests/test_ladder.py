@@ -116,3 +116,14 @@ def test_a_misspelt_device_selection_is_refused_by_name() -> None:
         ValueError, match=r"device_selection must be one of \['torch.topk', 'radix', 'levels'\], got 'level'"
     ):
         codec.select_k(torch.empty(1000, device="meta"), 10)  # off the CPU, where the choice is read
+
+
+def test_histograms_are_refused_off_the_cpu_only_under_deterministic_algorithms() -> None:
+    from lightning_gradcomp.core.compressors.ladder import histc_refused
+
+    assert not histc_refused(torch.device("cuda")) and not histc_refused(torch.device("cpu"))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert histc_refused(torch.device("cuda")) and not histc_refused(torch.device("cpu"))
+    finally:
+        torch.use_deterministic_algorithms(False)

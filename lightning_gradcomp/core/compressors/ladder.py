@@ -70,6 +70,12 @@ def gaussian_centre(flat: Tensor | Segments, density: float) -> tuple[Tensor, Te
     return centre, sumsq
 
 
+def histc_refused(device: torch.device) -> bool:
+    """Whether ``torch.histc`` would raise on ``device``: off the CPU under ``torch.use_deterministic_algorithms``
+    (CUDA's ``histc`` adds with atomics; its counts of whole entries are exact all the same)."""
+    return device.type != "cpu" and torch.are_deterministic_algorithms_enabled()
+
+
 def level_counts(flat: Tensor | Segments, centre: Tensor) -> Tensor:
     """``counts[j]``: how many entries of ``flat`` lie at level ``j`` or above (float32, exact below 2^24 per
     chunk and summed in float64 across chunks; a histogram of :func:`log_levels` summed from the top)."""
@@ -91,8 +97,11 @@ def select_at_level(flat: Tensor | Segments, centre: Tensor, level: Tensor, coun
 def top_k_by_levels(flat: Tensor | Segments, k: int, density: float) -> Tensor | None:
     """Ascending indices of exactly ``k`` entries of largest ``|flat|``, or ``None`` where the ladder cannot say
     (a non-finite entry, or fewer than ``k`` entries at its lowest level, or more than ``4k + 1024`` at the level
-    chosen): the candidates are the entries at the highest level that ``k`` or more reach, and ``torch.topk`` picks
-    ``k`` of them. Every entry at least as large as the ``k``-th largest is a candidate, so the result is a Top-k."""
+    chosen, or :func:`histc_refused`): the candidates are the entries at the highest level that ``k`` or more reach,
+    and ``torch.topk`` picks ``k`` of them. Every entry at least as large as the ``k``-th largest is a candidate, so
+    the result is a Top-k."""
+    if histc_refused(flat.device):
+        return None
     centre, sumsq = gaussian_centre(flat, density)
     counts = level_counts(flat, centre)
     level = ((counts >= k).sum() - 1).clamp_(min=0).reshape(1)
@@ -108,7 +117,9 @@ def top_k_by_levels(flat: Tensor | Segments, k: int, density: float) -> Tensor |
 def gaussian_k_by_levels(flat: Tensor | Segments, k: int, density: float, lower: float) -> Tensor | None:
     """Ascending indices of the entries at the lowest level that ``k`` or fewer reach, when they are at least
     ``lower * k``: Gaussian_k's count window without its refinements' read-backs. ``None`` where the ladder cannot
-    say (a non-finite or all-zero tensor, or no level whose count lies in the window)."""
+    say (a non-finite or all-zero tensor, or no level whose count lies in the window, or :func:`histc_refused`)."""
+    if histc_refused(flat.device):
+        return None
     centre, sumsq = gaussian_centre(flat, density)
     counts = level_counts(flat, centre)
     level = (counts > k).sum().clamp_(max=LEVELS - 1).reshape(1)
