@@ -3,9 +3,9 @@ and one selecting pass, every size fixed in advance.
 
 A float's magnitude orders as its bit pattern with the sign cleared (an int32 key; a NaN's key lies above an
 infinity's, so NaNs rank first, as ``torch.topk`` ranks them). The ``k``-th largest key is found digit by digit, most
-significant first (the MSD radix select of Alabi et al., "Fast K-selection algorithms for graphics processing units",
-ACM JEA 2012, Sec. 4): a histogram of the top 11 bits places it in one bin, a histogram of the next 11 bits of that
-bin's keys places it in a sub-bin, and one of the last 9 bits gives it exactly. Each histogram is ``torch.histc`` of
+significant first (the radix select of Alabi et al., "Fast K-selection algorithms for graphics processing units",
+ACM JEA 17, 2012): a histogram of the top 11 bits places it in one bin, one of the next 11 bits of that bin's keys
+places it in a sub-bin, and one of the last 9 bits gives it exactly. Each histogram is ``torch.histc`` of
 the digits (those outside the bin at ``-1``, which ``histc`` leaves out), counted in chunks of at most ``2^24`` entries
 so that its float32 bins count exactly. The choices stay on the device: the host never reads a count.
 
