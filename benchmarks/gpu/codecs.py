@@ -61,7 +61,8 @@ CODECS: dict[str, Callable[[], tuple[object, object]]] = {
     "qsgd_4bit": lambda: (QSGDCompressor(levels=7), NoMemory()),
     "bf16_cast": lambda: (WirePrecision(IdentityCompressor(), "bf16"), NoMemory()),
 }
-#: The codecs run unless ``--codecs`` names others (the ladder's Top-k, slower than both others on an H200, left out).
+#: The codecs run unless ``--codecs`` names others (the ladder's Top-k left out: 5.72 ms against ``torch.topk``'s 3.69
+#: for 1e8 elements on an H200).
 DEFAULT_CODECS = [name for name in CODECS if name != "topk_ef_1pct_by_levels"]
 
 

@@ -33,14 +33,21 @@ __all__ = [
     "pack_bits",
     "pack_words",
     "position_dtype",
+    "rises",
     "unpack_bits",
     "unpack_words",
 ]
 
 
+def rises(indices: Tensor) -> Tensor:
+    """Whether the 1-D ``indices`` (two or more) rise strictly, as a bool tensor on their device (one comparison per
+    index: far cheaper than sorting them again)."""
+    return (indices[1:] > indices[:-1]).all()
+
+
 def is_ascending(indices: Tensor) -> bool:
-    """Whether the 1-D ``indices`` rise strictly (one comparison per index: far cheaper than sorting them again)."""
-    return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
+    """Whether the 1-D ``indices`` rise strictly (:func:`rises`, read back)."""
+    return indices.numel() < 2 or bool(rises(indices))
 
 
 def edges_if_ascending(indices: Tensor, cuts: Tensor) -> list[int] | None:
@@ -49,8 +56,7 @@ def edges_if_ascending(indices: Tensor, cuts: Tensor) -> list[int] | None:
     edges = torch.searchsorted(indices, cuts.to(indices.dtype))  # read only where the indices rise
     if indices.numel() < 2:
         return edges.tolist()
-    rising = (indices[1:] > indices[:-1]).all().to(edges.dtype).reshape(1)
-    read = torch.cat([rising, edges]).tolist()
+    read = torch.cat([rises(indices).to(edges.dtype).reshape(1), edges]).tolist()
     return read[1:] if read[0] else None
 
 
