@@ -184,8 +184,12 @@ def test_error_feedback_settled_by_the_hook_reads_the_tensor_only_where_the_sent
     finite (Top-k's largest entries, a scaled sign's scale); and skipping the tensor's sum where it did not (random-k).
     The public ``update`` still checks, from the entries where they vouch."""
     sums: list[str] = []
-    for module, what in ((memory_module, "tensor"), (sparse_module, "entries")):
-        monkeypatch.setattr(module, "all_finite", lambda x, what=what: sums.append(what) or bool(x.isfinite().all()))
+    for module, what, names in (
+        (memory_module, "tensor", ("all_finite", "finiteness")),
+        (sparse_module, "entries", ("finiteness",)),
+    ):
+        for name in names:
+            monkeypatch.setattr(module, name, lambda x, what=what: sums.append(what) or bool(x.isfinite().all()))
     cases = ((TopKCompressor(0.05), [], ["entries"]), (ScaledSignCompressor(), [], []))
     for compressor, settled, updated in (*cases, (RandomKCompressor(0.05), ["tensor"], ["tensor"])):
         memory, acc = ErrorFeedback(), torch.randn(400, generator=torch.Generator().manual_seed(4))

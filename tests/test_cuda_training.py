@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import NAMED_STRATEGIES, gradcomp_comm_hook, make_hook
 from lightning_gradcomp.core.compressors import COMPRESSORS
+from lightning_gradcomp.core.host_waits import host_waits
 from lightning_gradcomp.core.memory import Diana, ErrorFeedback
 from lightning_gradcomp.core.randomness import CounterStream
 
@@ -188,6 +189,44 @@ def test_every_named_strategy_trains_a_one_process_nccl_ddp_as_on_the_cpu(
             # relative distance, not elementwise: another summation order may tip a selection at its boundary
             expected = on_cpu["weights"][key]
             assert float((value - expected).norm() / expected.norm()) < 1e-4, f"{preset}: {key}"
+
+
+def waits_in_a_step(preset: str | None, group: dist.ProcessGroup) -> int:
+    """Host waits in one compressed step of a 1-process NCCL DDP of :class:`Net` under ``preset`` (``None``: plain
+    DDP), after three steps (the first dense)."""
+    torch.manual_seed(0)
+    model = Net().cuda()
+    ddp = DistributedDataParallel(model, device_ids=[torch.device("cuda")], process_group=group, bucket_cap_mb=0.1)
+    if preset is not None:
+        overrides = {"warmup_steps": 1, "min_compress_numel": 100}
+        if NAMED_STRATEGIES[preset][1].get("adaptive"):
+            overrides["adaptive"] = "none"
+        ddp.register_comm_hook(make_hook(ddp, preset, **overrides), gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 32, device="cuda"), torch.randint(0, 4, (64,), device="cuda")
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    waits = host_waits(step, "cuda")
+    assert waits is not None
+    return waits
+
+
+@on_cuda
+@pytest.mark.parametrize(
+    "preset", ["ddp_fp16", "ddp_bf16", "ddp_int8", "ddp_terngrad", "ddp_efsign", "ddp_diana", "ddp_powersgd"]
+)
+def test_a_compressed_step_waits_for_the_device_no_more_than_plain_ddp(
+    preset: str, groups: dict[str, dist.ProcessGroup]
+) -> None:
+    """What tests/test_read_backs.py counts on the CPU on the paths a device takes (none for these), counted on the
+    device: the finiteness of each mean stays there as a flag, and nothing else is read back."""
+    assert waits_in_a_step(preset, groups["cuda"]) == waits_in_a_step(None, groups["cuda"]), preset
 
 
 def _helpers_on_one_cpu_rank(rank: int, world_size: int) -> dict:

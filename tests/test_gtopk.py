@@ -376,8 +376,8 @@ def test_a_survivor_set_that_vouches_settles_without_reading_the_tensor(
     import lightning_gradcomp.core.memory as memory_module
 
     reads: list[int] = []
-    read = memory_module.all_finite
-    monkeypatch.setattr(memory_module, "all_finite", lambda t: reads.append(t.numel()) or read(t))
+    read = memory_module.finiteness
+    monkeypatch.setattr(memory_module, "finiteness", lambda t: reads.append(t.numel()) or read(t))
     x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
     payload = TopKCompressor(DENSITY).compress(x)
     survivors = SparseEntries(

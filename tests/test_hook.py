@@ -34,9 +34,9 @@ class RecordingErrorFeedback(ErrorFeedback):
         self.log.append({"name": name, "grad": grad, "old": None if old is None else old.clone(), "acc": acc.clone()})
         return acc
 
-    def settle_(self, name: str, compensated: torch.Tensor, sent: SparseEntries, unit_numel: int) -> None:
+    def settle_(self, name: str, compensated: torch.Tensor, sent: SparseEntries, unit_numel: int, finite=True) -> None:
         assert isinstance(sent, SparseEntries)  # a sparse payload's entries: one scatter, no dense subtraction
-        super().settle_(name, compensated, sent, unit_numel)
+        super().settle_(name, compensated, sent, unit_numel, finite)
         entry = next(e for e in reversed(self.log) if e["name"] == name)
         entry.update(sent=sent.to_dense(), new=self.residual(name).clone(), compensated=compensated.clone())
 

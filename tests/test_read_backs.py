@@ -5,8 +5,8 @@ pageable memory (``torch.tensor(..., device=...)``, which on CUDA waits for the 
 counted.
 
 On a GPU ``host_waits`` counts the waits themselves (``tests/test_cuda.py``); this catches a new one in CI, where no GPU
-is. Only strategies whose path is the same on every device are held to a count here (Top-k's CPU selection reads
-counts that its device selection does not).
+is. The paths a device takes are counted on the CPU under ``cpu_as_a_device`` (Top-k's CPU selection reads counts
+that its device selection does not; a memory's finiteness check is a bool on the CPU and a flag on a device).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from lightning_gradcomp import NAMED_STRATEGIES, gradcomp_comm_hook, make_hook
 from lightning_gradcomp.core.compressors.segments import Segments
 from lightning_gradcomp.core.compressors.sparse import SparseEntries
 from lightning_gradcomp.core.host_copies import device_tensor
+from lightning_gradcomp.core.host_waits import cpu_as_a_device
 
 READS_BACK = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "repeat_interleave"}
 
@@ -114,6 +115,32 @@ def test_the_counter_sees_a_read_back_on_the_hooks_thread(group: dist.ProcessGro
 @pytest.mark.parametrize("preset", ["ddp_fp16", "ddp_bf16", "ddp_int8", "ddp_terngrad"])
 def test_the_dense_wires_int8_and_terngrad_read_nothing_back(group: dist.ProcessGroup, preset: str) -> None:
     assert not read_backs_in_a_step(preset)
+
+
+#: What a compressed step reads back on a device's paths, by strategy: only the cuts of a unit's entries at its
+#: parameters' bounds where the unit is read in pieces from DDP's buckets (one read each: the gather from the pieces,
+#: the split for the memory, the scatter into the pieces), Gaussian_k's ladder of levels (one), and gTop-k's check
+#: that the indices ascend and the positions of the entries that survived its merges (one each).
+ON_A_DEVICE = {
+    "ddp_fp16": {},
+    "ddp_bf16": {},
+    "ddp_int8": {},
+    "ddp_terngrad": {},
+    "ddp_efsign": {},
+    "ddp_diana": {},
+    "ddp_powersgd": {},
+    "ddp_topk": {"tolist": 3},
+    "ddp_gaussiank": {"tolist": 4},
+    "ddp_gtopk": {"tolist": 3, "_local_scalar_dense": 1, "nonzero": 1},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(ON_A_DEVICE))
+def test_a_step_on_the_device_paths_reads_back_only_the_cuts_it_must(group: dist.ProcessGroup, preset: str) -> None:
+    """Catches: a finiteness check read back (error feedback's, DIANA's, the mean's, PowerSGD's warm start) where
+    a flag on the device would do, and any new read on the paths a GPU takes."""
+    with cpu_as_a_device():
+        assert dict(read_backs_in_a_step(preset)) == ON_A_DEVICE[preset]
 
 
 def test_host_values_reach_a_device_as_torch_tensor_makes_them() -> None:

@@ -105,8 +105,8 @@ class _Recording(ErrorFeedback):
         self.log.append({**entry, "acc": acc.clone()})
         return acc
 
-    def settle_(self, name, compensated, sent, unit_numel) -> None:
-        super().settle_(name, compensated, sent, unit_numel)
+    def settle_(self, name, compensated, sent, unit_numel, finite=True) -> None:
+        super().settle_(name, compensated, sent, unit_numel, finite)
         entry = next(e for e in reversed(self.log) if e["name"] == name)
         entry.update(sent=dense_of(sent).clone(), new=self.residual(name).clone())
 

@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_gradcomp.core.comm import AGGREGATORS, Aggregate, Aggregator, Collectives, Contribution
 from lightning_gradcomp.core.comm.aggregators import local_part
 from lightning_gradcomp.core.compressors import Compressor, IdentityCompressor
+from lightning_gradcomp.core.compressors.finiteness import nonfinite_count
 from lightning_gradcomp.core.memory import Memory
 from lightning_gradcomp.core.randomness import UnitStreams
 from lightning_gradcomp.core.stats import StepStats
@@ -126,10 +127,10 @@ class CompressedAverage:
             if contribution.codec is self._dense:
                 x.copy_(aggregate.mean)
                 continue
-            finite = aggregate.finite if self.memory.keeps_state else True
-            stats.nonfinite_units += not finite
-            if finite:
-                self.memory.settle_(name, x, aggregate.reached if self.memory.uses_sent else None, x.numel())
+            finite = aggregate.finite if self.memory.keeps_state else True  # on a device, a flag there
+            stats.nonfinite_units += nonfinite_count(finite)
+            reached = aggregate.reached if self.memory.uses_sent else None
+            self.memory.settle_(name, x, reached, x.numel(), finite=finite)  # type: ignore[arg-type]
             mean = aggregate.decode_into(None)
             self.memory.conclude_(name, mean, out=x, unit_numel=x.numel(), update=finite)
         stats.seconds_decompress += time.perf_counter() - start

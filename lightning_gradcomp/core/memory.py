@@ -17,9 +17,10 @@ The hook calls, for each compressed parameter ``name`` and step:
 
 The hook runs step 3 in two halves around the decoding of the mean, so that the mean can be written
 over the compensated tensor in DDP's bucket with no buffer of its own: :meth:`Memory.settle_` first
-(what follows from this rank's own payload: error feedback's residual, DIANA's ``h_i``; only when
-the mean is finite), then, with the mean in the bucket, :meth:`Memory.conclude_` (step 2, written in
-place, and what follows from the mean: DIANA's ``h``).
+(what follows from this rank's own payload: error feedback's residual, DIANA's ``h_i``; kept only when
+the mean is finite, which on a device is a flag left there:
+:mod:`~lightning_gradcomp.core.compressors.finiteness`), then, with the mean in the bucket,
+:meth:`Memory.conclude_` (step 2, written in place, and what follows from the mean: DIANA's ``h``).
 
 State is keyed by parameter name: units are made of parameters, and DDP's buckets change.
 """
@@ -36,6 +37,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors import Entries, SparseEntries, all_finite
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, chunk_for
+from lightning_gradcomp.core.compressors.finiteness import Finite, all_of, finiteness, keep_where_
 from lightning_gradcomp.core.compressors.kernels import shift_and_estimate_
 from lightning_gradcomp.core.compressors.sparse import dense_of
 from lightning_gradcomp.core.fused import compiles_on
@@ -81,17 +83,20 @@ class Memory(ABC):
         itself and stay as they are)."""
         return None
 
-    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int) -> None:
+    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int, finite: Finite = True) -> None:
         """The hook's first half of :meth:`update`: what follows from this rank's own step alone (``compensated``
         and ``sent``), run before the mean is decoded, which may then be written over ``compensated`` (DDP's
-        bucket). Only called when the mean is finite. Default: :meth:`update` without a mean (a memory whose update
-        reads the mean overrides both halves, as :class:`Diana` does)."""
-        self.update(name, compensated, sent, None, unit_numel=unit_numel)  # type: ignore[arg-type]
+        bucket, which this may use as scratch). ``finite``: whether the mean is finite (a flag on a device); the state
+        moves only if it is. Default: :meth:`update` without a mean, after reading ``finite`` back (a memory whose
+        update reads the mean overrides both halves, as :class:`Diana` does)."""
+        if finite:
+            self.update(name, compensated, sent, None, unit_numel=unit_numel)  # type: ignore[arg-type]
 
-    def conclude_(self, name: str, mean: Tensor, out: Tensor, unit_numel: int, update: bool) -> None:
+    def conclude_(self, name: str, mean: Tensor, out: Tensor, unit_numel: int, update: Finite) -> None:
         """The hook's second half: write :meth:`reconstruct` of ``mean`` into ``out`` (the gradient in DDP's
-        bucket, which may be ``mean`` itself) and, when ``update``, move the state that follows the mean (DIANA's
-        ``h``). Default: :meth:`reconstruct` of the mean, copied unless it is ``out`` already."""
+        bucket, which may be ``mean`` itself) and, when ``update`` (the mean's finiteness: a flag on a device), move
+        the state that follows the mean (DIANA's ``h``). Default: :meth:`reconstruct` of the mean, copied unless it
+        is ``out`` already."""
         estimate = self.reconstruct(name, mean)
         if out.data_ptr() != estimate.data_ptr():
             out.copy_(estimate)
@@ -203,14 +208,17 @@ class ErrorFeedback(Memory):
             return  # a NaN/Inf that was never sent must not sit in the residual forever
         self._record(name, compensated, sent)
 
-    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int) -> None:
-        """:meth:`update` as the hook calls it, only when the mean is finite: a sent form that vouches for the tensor's
-        finiteness (a scaled sign's scale, Top-k's largest entries) is this rank's share of that mean, so it is finite
-        and so was the tensor; nothing is read again (on a GPU, no wait for the device). Else the tensor is summed."""
+    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int, finite: Finite = True) -> None:
+        """:meth:`update` as the hook calls it, kept only where the mean is ``finite``: a sent form that vouches for
+        the tensor's finiteness (a scaled sign's scale, Top-k's largest entries) is this rank's share of that mean, so
+        it is finite and so was the tensor; nothing is read again. Else the tensor is summed too. Where ``finite`` is a
+        flag on a device, the new residual is kept by it (:meth:`_record_where`: no wait for the device)."""
         if isinstance(sent, Tensor) or not sent.vouches_finite:
-            self.update(name, compensated, sent, None, unit_numel=unit_numel)  # type: ignore[arg-type]
-        else:
+            finite = all_of((finite, finiteness(compensated)))
+        if finite is True:
             self._record(name, compensated, sent)
+        elif finite is not False:
+            self._record_where(finite, name, compensated, sent)
 
     def _record(self, name: str, compensated: Tensor, sent: Sent) -> None:
         """``residual = compensated - sent`` (and momentum correction's velocity), both known finite."""
@@ -230,6 +238,23 @@ class ErrorFeedback(Memory):
             sent.subtract_from(compensated, out=residual)
         if self.momentum:
             _zero_where_sent(self._velocities[name], sent)
+
+    def _record_where(self, finite: Tensor, name: str, compensated: Tensor, sent: Sent) -> None:
+        """:meth:`_record` kept where the device flag ``finite`` is true, else the state as it was: ``compensated -
+        sent`` is formed in ``compensated`` itself (the bucket, written over by the mean next), then selected into
+        the residual in one pass (a dense ``sent`` and momentum's velocity take a temporary of the parameter)."""
+        residual = self._residuals.get(name)
+        if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
+            residual = self._residuals[name] = torch.zeros_like(compensated)  # allocated once; zeros: no residual yet
+        if self.momentum:
+            velocity = self._velocities[name]
+            keep_where_(finite, compensated - residual, velocity)
+        if isinstance(sent, Tensor):
+            keep_where_(finite, compensated - sent, residual)
+        else:
+            keep_where_(finite, sent.add_to_(compensated, alpha=-1), residual)
+        if self.momentum:
+            _zero_where_sent(velocity, sent, finite)
 
     def flush_(self, name: str, grad: Tensor) -> None:
         """The residual (and under momentum correction the velocity's share, ``momentum * u``: DGC's update of
@@ -269,12 +294,17 @@ class ErrorFeedback(Memory):
 _VELOCITY = "velocity:"
 
 
-def _zero_where_sent(velocity: Tensor, sent: Sent) -> None:
-    """Momentum factor masking (Lin et al., 2018, Sec. 3.2): no velocity where entries were sent."""
+def _zero_where_sent(velocity: Tensor, sent: Sent, finite: Finite = True) -> None:
+    """Momentum factor masking (Lin et al., 2018, Sec. 3.2): no velocity where entries were sent (kept only where
+    the device flag ``finite`` is true, when one is given)."""
     if isinstance(sent, SparseEntries):
-        velocity.index_put_((sent.indices,), velocity.new_zeros(()))  # int32 indices too
+        zero = velocity.new_zeros(())
+        if finite is not True:
+            zero = torch.where(finite, zero, velocity[sent.indices])
+        velocity.index_put_((sent.indices,), zero)  # int32 indices too
     else:  # dense, or entries kept encoded (scaled signs, ternary codes): masked where they are not zero
-        velocity.masked_fill_(dense_of(sent) != 0, 0)
+        sent_there = dense_of(sent) != 0
+        velocity.masked_fill_(sent_there if finite is True else sent_there & finite, 0)
 
 
 class Diana(Memory):
@@ -340,26 +370,38 @@ class Diana(Memory):
         shift = self._global.get(name)
         return mean if shift is None else shift + mean
 
-    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int) -> None:
-        """``h_i += alpha * delta_i`` from this rank's own payload (its codes, never decoded whole), unless
-        non-finite; ``compensated`` is not read (the mean may be written over it next)."""
+    def settle_(self, name: str, compensated: Tensor, sent: Sent, unit_numel: int, finite: Finite = True) -> None:
+        """``h_i += alpha * delta_i`` from this rank's own payload (its codes, never decoded whole), unless it or the
+        mean is non-finite; ``compensated`` is not read (the mean may be written over it next), except as scratch
+        where ``finite`` is a flag on a device (:meth:`_step_where`)."""
         alpha = self.alphas[name] = self.alpha_for(unit_numel)
-        if all_finite(sent) if isinstance(sent, Tensor) else sent.all_finite():
+        finite = all_of((finite, finiteness(sent) if isinstance(sent, Tensor) else sent.all_finite()))
+        if finite is True:
             self._step(self._local, name, sent, alpha, like=compensated)
+        elif finite is not False:
+            self._step_where(finite, self._local, name, sent, alpha, scratch=compensated)
 
-    def conclude_(self, name: str, mean: Tensor, out: Tensor, unit_numel: int, update: bool) -> None:
+    def conclude_(self, name: str, mean: Tensor, out: Tensor, unit_numel: int, update: Finite) -> None:
         """``out = h + mean`` and, when ``update``, ``h += alpha * mean``, in one pass: one compiled kernel in place
         where kernels run compiled and ``out`` is ``mean`` itself (DDP's bucket), else cache-sized chunks, so that
-        ``out`` may be ``mean`` without a model-sized temporary."""
+        ``out`` may be ``mean`` without a model-sized temporary. An ``update`` flag on a device keeps the new ``h``
+        only where it is true, a chunk at a time."""
         shift = self._global.get(name)
+        alpha = self.alpha_for(unit_numel)
         if shift is None:
             if out.data_ptr() != mean.data_ptr():
                 out.copy_(mean)
-            if update:
-                self._step(self._global, name, mean, self.alpha_for(unit_numel), like=mean)
+            if update is True:
+                self._step(self._global, name, mean, alpha, like=mean)
+            elif update is not False:
+                self._step_where(update, self._global, name, mean, alpha, scratch=None)
             return
-        alpha = self.alpha_for(unit_numel)
-        if update and out.data_ptr() == mean.data_ptr() and mean.dtype == torch.float32 and compiles_on(mean.device):
+        if (
+            update is True
+            and out.data_ptr() == mean.data_ptr()
+            and mean.dtype == torch.float32
+            and compiles_on(mean.device)
+        ):
             shift_and_estimate_(mean, shift, torch.full((), alpha, dtype=mean.dtype, device=mean.device))
             return
         span = chunk_for(out.device, STREAM_CHUNK)
@@ -367,8 +409,10 @@ class Diana(Memory):
         for start in range(0, mean.numel(), span):
             m, h = mean[start : start + span], shift[start : start + span]
             chunk = torch.add(h, m, out=estimate[: m.numel()])
-            if update:
+            if update is True:
                 h.add_(m, alpha=alpha)
+            elif update is not False:
+                keep_where_(update, torch.add(h, m, alpha=alpha), h)  # as add_ rounds it
             out[start : start + span].copy_(chunk)
 
     def update(self, name: str, compensated: Tensor, sent: Sent, mean: Tensor, unit_numel: int | None = None) -> None:
@@ -378,6 +422,24 @@ class Diana(Memory):
         self._step(self._global, name, mean, alpha, like=mean)
         if all_finite(sent) if isinstance(sent, Tensor) else sent.all_finite():
             self._step(self._local, name, sent, alpha, like=compensated)
+
+    @staticmethod
+    def _step_where(
+        finite: Tensor, shifts: dict[str, Tensor], name: str, step: Sent, alpha: float, scratch: Tensor | None
+    ) -> None:
+        """:meth:`_step` kept where the device flag ``finite`` is true: the stepped shift is formed in ``scratch`` (a
+        temporary when ``None``), as :meth:`_step` forms it in place, then selected into the shift (a NaN in a step it
+        drops never reaches it)."""
+        like = step if isinstance(step, Tensor) else scratch
+        assert like is not None
+        shift = shifts.get(name)
+        if shift is None:
+            shift = shifts[name] = torch.zeros_like(like)
+        if isinstance(step, Tensor):
+            stepped = torch.add(shift, step, alpha=alpha, **({} if scratch is None else {"out": scratch}))
+        else:
+            stepped = step.add_to_(scratch.copy_(shift), alpha=alpha)
+        keep_where_(finite, stepped, shift)
 
     @staticmethod
     def _step(shifts: dict[str, Tensor], name: str, step: Sent, alpha: float, like: Tensor) -> None:

@@ -34,7 +34,8 @@ class StepStats:
     handed to collectives between nodes.
     ``nonfinite_units`` counts units whose average held NaN/Inf: their memory was left as it was
     (counted under a memory with state only: ``memory="none"`` has nothing to protect, and its
-    average reaches the optimizer as it is, as under plain DDP).
+    average reaches the optimizer as it is, as under plain DDP). Off the CPU it is a 0-dim int64
+    tensor on the device, counted there without making the host wait (``int()`` reads it).
     ``synchronised``: a DiLoCo inner step that ended with a synchronisation (the others send nothing; their
     ``dense_bytes`` is still what DDP would have sent, so a window's ratio is the saving per inner step).
     ``selected`` counts the entries of sparse payloads. ``layers`` (with ``track_layers``) and
@@ -60,7 +61,7 @@ class StepStats:
     seconds_compress: float = 0.0
     seconds_communicate: float = 0.0
     seconds_decompress: float = 0.0
-    nonfinite_units: int = 0
+    nonfinite_units: int | Tensor = 0
     selected: int = 0
     layers: dict[str, LayerStats] = field(default_factory=dict)
     captures: dict[str, Capture] = field(default_factory=dict)

@@ -74,6 +74,7 @@ from torch import Tensor
 from lightning_gradcomp.core.comm import AGGREGATORS, Aggregator, Collectives, CommCounter, Contribution, Pending
 from lightning_gradcomp.core.comm.hierarchy import FlatTopology, NodeTopology
 from lightning_gradcomp.core.compressors import Compressor, IdentityCompressor
+from lightning_gradcomp.core.compressors.finiteness import nonfinite_count
 from lightning_gradcomp.core.compressors.segments import Segments, adjoining, pieces
 from lightning_gradcomp.core.memory import Memory, NoMemory
 from lightning_gradcomp.core.randomness import UnitStreams
@@ -412,13 +413,13 @@ class GradCompHook:
             reached = agg.reached.split(unit.numels) if self.memory.uses_sent else [None] * len(unit.names)
             # Every rank holds the same mean, so all skip (or not) alike: a NaN/Inf step reaches the
             # optimizer as under plain DDP (GradScaler skips it) but never enters the memory (a memoryless
-            # method has none to keep it from: no pass over the mean to find out).
+            # method has none to keep it from: no pass over the mean to find out). On a device whether it is
+            # finite stays there, a flag the memory's updates are kept by: the host does not wait for it.
             finite = agg.finite if self.memory.keeps_state else True
-            stats.nonfinite_units += not finite
-            if finite:
-                for name, part, sent, out in zip(unit.names, parts, reached, self._sat_out(unit.names), strict=True):
-                    if not out:
-                        self.memory.settle_(name, part, sent, unit_numel=unit.numel)
+            stats.nonfinite_units += nonfinite_count(finite)
+            for name, part, sent, out in zip(unit.names, parts, reached, self._sat_out(unit.names), strict=True):
+                if not out:
+                    self.memory.settle_(name, part, sent, unit_numel=unit.numel, finite=finite)
             means = agg.decode_into(x.reshape(-1) if early else None).split(unit.numels)
             for name, grad, mean in zip(unit.names, grads, means, strict=True):
                 self.memory.conclude_(name, mean, out=grad, unit_numel=unit.numel, update=finite)

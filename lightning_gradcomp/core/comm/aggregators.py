@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.comm.collectives import Collectives
-from lightning_gradcomp.core.compressors import Compressor, Entries, IdentityCompressor, Payload, all_finite
+from lightning_gradcomp.core.compressors import Compressor, Entries, IdentityCompressor, Payload
+from lightning_gradcomp.core.compressors.finiteness import Finite, all_of, finiteness
 from lightning_gradcomp.core.compressors.sparse import SparseEntries, dense_of
 from lightning_gradcomp.core.host_copies import device_tensor
 from lightning_gradcomp.core.workspace import Scratch
@@ -76,7 +77,7 @@ class Aggregate:
     def __init__(
         self,
         decode: Callable[[Tensor | None], Tensor],
-        finite: Callable[[], bool] | None = None,
+        finite: Callable[[], Finite] | None = None,
         local: Contribution | None = None,
         partial: Tensor | Entries | None = None,
         from_sum: bool = False,
@@ -107,10 +108,10 @@ class Aggregate:
         return self._finite is not None
 
     @cached_property
-    def finite(self) -> bool:
+    def finite(self) -> Finite:
         """Whether every element of the mean is finite: from the gathered data when they tell (no pass over the
-        mean, decoded or not), else from the mean."""
-        return self._finite() if self._finite is not None else all_finite(self.mean)
+        mean, decoded or not), else from the mean; on a device, a flag there (no wait for it)."""
+        return self._finite() if self._finite is not None else finiteness(self.mean)
 
     @cached_property
     def reached(self) -> Tensor | Entries:
@@ -226,7 +227,7 @@ def _from_sum(c: Contribution, total: Tensor, world: int) -> Aggregate:
     def decode(out: Tensor | None) -> Tensor:
         return c.codec.from_sum(total, c.payload, world, out if out is not None else c.out() if c.out else None)
 
-    finite = (lambda: all_finite(total)) if total.is_floating_point() else None
+    finite = (lambda: finiteness(total)) if total.is_floating_point() else None
     return Aggregate(decode, finite, local=c, from_sum=True)
 
 
@@ -335,13 +336,13 @@ class ChoosersAggregator(AllgatherAggregator):
         return total.div_(choosers.clamp_(min=1))
 
 
-def _entries_finite(payloads: Sequence[Payload]) -> Callable[[], bool] | None:
+def _entries_finite(payloads: Sequence[Payload]) -> Callable[[], Finite] | None:
     """Whether every payload decodes to finite values, told from their entries (values, scales, norms: no decoding),
     or ``None`` when some payload has no entries."""
     entries = [p.entries() for p in payloads]
     if any(e is None for e in entries):
         return None
-    return lambda: all(e.all_finite() for e in entries)  # type: ignore[union-attr]
+    return lambda: all_of(e.all_finite() for e in entries)  # type: ignore[union-attr]
 
 
 def start_dense_apart(

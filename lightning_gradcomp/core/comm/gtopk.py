@@ -62,6 +62,7 @@ from torch import Tensor
 from lightning_gradcomp.core.comm.aggregators import Aggregate, Aggregator, Contribution, Pending, start_dense_apart
 from lightning_gradcomp.core.comm.collectives import Collectives
 from lightning_gradcomp.core.compressors import IdentityCompressor, SparseEntries, SparsePayload, all_finite
+from lightning_gradcomp.core.compressors.finiteness import finiteness
 from lightning_gradcomp.core.compressors.indices import decode_indices, encode_indices, encoded_nbytes, is_ascending
 from lightning_gradcomp.core.compressors.precision import CastPayload
 from lightning_gradcomp.core.compressors.sparse import itemsize
@@ -432,6 +433,6 @@ class GTopKAggregator(Aggregator):
                 finite_of=mine.values if vouches else None,
             )
             results.append(
-                Aggregate(partial(_scatter_mean, c, entries, world), partial(all_finite, entries.values), partial=sent)
+                Aggregate(partial(_scatter_mean, c, entries, world), partial(finiteness, entries.values), partial=sent)
             )
         return results

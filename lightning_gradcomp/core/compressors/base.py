@@ -83,8 +83,9 @@ class Entries(Protocol):
         """``out = compensated - self`` (flat, ``numel`` elements): error feedback's residual, in as few passes as
         the form allows (:func:`subtract_by_adding` where it has no single pass of its own); returns ``out``."""
 
-    def all_finite(self) -> bool:
-        """Whether every decoded element is finite."""
+    def all_finite(self) -> bool | Tensor:
+        """Whether every decoded element is finite: a bool, or where reading it back would make the host wait a 0-dim
+        bool tensor on the device (:mod:`~lightning_gradcomp.core.compressors.finiteness`)."""
 
     def split(self, numels: Sequence[int]) -> list[Entries]:
         """The consecutive slices of ``numels`` elements (one per parameter of a unit)."""

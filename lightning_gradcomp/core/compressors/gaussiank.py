@@ -26,6 +26,7 @@ from lightning_gradcomp.core.compressors.ladder import gaussian_k_by_levels, nor
 from lightning_gradcomp.core.compressors.segments import Segments, above_in, magnitude_blocks, take
 from lightning_gradcomp.core.compressors.sparse import SparsePayload, itemsize, sparse_nbytes
 from lightning_gradcomp.core.compressors.topk import TopKCompressor, ascending_top_k, k_for
+from lightning_gradcomp.core.host_waits import reads_wait
 from lightning_gradcomp.core.validation import check_int
 
 #: The count lands in ``[LOWER * k, k]``: a threshold that keeps too few is first refitted to keep ``TARGET * k``,
@@ -179,7 +180,7 @@ class GaussianKCompressor(TopKCompressor):
         CPU, the count window is first sought on a ladder of thresholds counted in one pass
         (:func:`~lightning_gradcomp.core.compressors.ladder.gaussian_k_by_levels`: one wait for the device instead
         of one per reduction and refinement), and the refinements below run only where it finds none."""
-        if flat.device.type != "cpu":
+        if reads_wait(flat.device):
             chosen = gaussian_k_by_levels(flat, k, self.density, LOWER)
             if chosen is not None:
                 return chosen

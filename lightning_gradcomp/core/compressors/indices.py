@@ -21,6 +21,8 @@ import sys
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.core.host_waits import reads_wait
+
 __all__ = [
     "decode_indices",
     "edges_if_ascending",
@@ -106,7 +108,7 @@ def encode_indices(indices: Tensor, n: int, capacity: int | None = None) -> Tens
     if k > slots:
         raise ValueError(f"{k} indices do not fit in {slots} slots")
     if (
-        indices.device.type == "cpu"
+        not reads_wait(indices.device)
         and k
         and (int(indices[0]) < 0 or int(indices[-1]) >= n or bool((indices[1:] <= indices[:-1]).any()))
     ):
@@ -141,7 +143,7 @@ def decode_indices(buffer: Tensor, n: int, k: int, capacity: int | None = None) 
     device = buffer.device
     if kind == "empty":
         return torch.empty(0, dtype=position_dtype(n), device=device)
-    check = device.type == "cpu"
+    check = not reads_wait(device)
     if kind == "bitmap":
         indices = _set_positions(buffer, k)
     else:

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import Compressor, Payload, all_finite
+from lightning_gradcomp.core.compressors.base import Compressor, Payload
 from lightning_gradcomp.core.compressors.draws import Draws
+from lightning_gradcomp.core.compressors.finiteness import finiteness
 from lightning_gradcomp.core.compressors.identity import DensePayload, IdentityCompressor
 from lightning_gradcomp.core.validation import check_int, check_number
 from lightning_gradcomp.core.workspace import Scratch
@@ -293,11 +294,13 @@ class PowerSGDCompressor(Compressor):
                 p_hat = next(p_hats)
                 q_mean = total[part.second].view(-1, p_hat.shape[1])
                 torch.matmul(p_hat, q_mean.T, out=target.view(p_hat.shape[0], -1))
-        if all_finite(total):
+        finite = finiteness(total)  # on a device, a flag there: the warm start is kept by it, no wait
+        if finite is not False:
             for part in payload.parts:  # a matrix whose mean Q is zero (no rank's M had anything) keeps its Q:
                 if part.second is not None:  # from Q = 0, P = M Q would stay zero whatever M became
                     kept, mean_q = payload.warm_start[part.second], total[part.second]
-                    kept.copy_(torch.where(mean_q.any(), mean_q, kept))
+                    taken = mean_q.any() if finite is True else mean_q.any() & finite
+                    kept.copy_(torch.where(taken, mean_q, kept))
         payload.mean = mean
         return mean
 

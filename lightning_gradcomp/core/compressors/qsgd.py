@@ -30,8 +30,9 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite, chunk_for, subtract_by_adding
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, chunk_for, subtract_by_adding
 from lightning_gradcomp.core.compressors.draws import Draws
+from lightning_gradcomp.core.compressors.finiteness import Finite, finiteness
 from lightning_gradcomp.core.compressors.quantizer import BlockQuantizer
 from lightning_gradcomp.core.compressors.ternary import (
     CodePacking,
@@ -191,12 +192,12 @@ class LevelsEntries:
     def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
         return subtract_by_adding(self, compensated, out)
 
-    def all_finite(self) -> bool:
+    def all_finite(self) -> Finite:
         """Whether the norms of the blocks this slice touches are finite (the levels are integers)."""
         if not self.numel:
             return True
         block = self.payload.block
-        return all_finite(self.payload.norms[self.first // block : (self.first + self.numel - 1) // block + 1])
+        return finiteness(self.payload.norms[self.first // block : (self.first + self.numel - 1) // block + 1])
 
     def split(self, numels: Sequence[int]) -> list[LevelsEntries]:
         starts = accumulate(numels[:-1], initial=self.first)

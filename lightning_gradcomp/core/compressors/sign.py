@@ -23,7 +23,6 @@ which compiled loops read and write as whole vectors (the planar module gives wh
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -34,6 +33,7 @@ from torch import Tensor
 
 from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Compressor, Payload, chunk_for, subtract_by_adding
 from lightning_gradcomp.core.compressors.draws import Draws
+from lightning_gradcomp.core.compressors.finiteness import Finite, finiteness
 from lightning_gradcomp.core.compressors.kernels import (
     SIGN_ROW,
     SIGN_STRIPE,
@@ -234,8 +234,8 @@ class SignEntries:
             return out
         return subtract_by_adding(self, compensated, out)
 
-    def all_finite(self) -> bool:
-        return math.isfinite(float(self.scale))
+    def all_finite(self) -> Finite:
+        return finiteness(self.scale)
 
     def split(self, numels: Sequence[int]) -> list[SignEntries]:
         starts = accumulate(numels[:-1], initial=self.first)

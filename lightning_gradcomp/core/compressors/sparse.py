@@ -10,7 +10,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import Compressor, Entries, Payload, all_finite, subtract_by_adding
+from lightning_gradcomp.core.compressors.base import Compressor, Entries, Payload, subtract_by_adding
+from lightning_gradcomp.core.compressors.finiteness import Finite, finiteness
 from lightning_gradcomp.core.compressors.indices import (
     decode_indices,
     edges_if_ascending,
@@ -22,6 +23,7 @@ from lightning_gradcomp.core.compressors.indices import (
 from lightning_gradcomp.core.compressors.segments import Segments
 from lightning_gradcomp.core.compressors.wire import ByteReader, to_bytes
 from lightning_gradcomp.core.host_copies import device_tensor
+from lightning_gradcomp.core.host_waits import reads_wait
 
 #: The count that starts a sparse payload's wire form (int64: a unit of any size).
 COUNT_DTYPE = torch.int64
@@ -109,7 +111,7 @@ class SparsePayload(Payload):
             raise ValueError(f"{self.k} entries do not fit in {self.slots} slots")
         indices, values = self.indices.reshape(-1), self.values.reshape(-1)
         # Top-k sends them in order already; off the CPU, a sort of sorted indices costs less than waiting for the check
-        if indices.device.type != "cpu" or not is_ascending(indices):
+        if reads_wait(indices.device) or not is_ascending(indices):
             indices, order = torch.sort(indices)
             values = values[order]
         count = torch.full((1,), self.k, dtype=COUNT_DTYPE, device=self.values.device)  # filled there: no copy
@@ -180,10 +182,10 @@ class SparseEntries:
     def subtract_from(self, compensated: Tensor, out: Tensor) -> Tensor:
         return subtract_by_adding(self, compensated, out)
 
-    def all_finite(self) -> bool:
+    def all_finite(self) -> Finite:
         """Whether every entry is finite (the zeros between them are); for a slice of a vouching selection, whether
         every entry of the whole selection is."""
-        return all_finite(self.values if self.finite_of is None else self.finite_of)
+        return finiteness(self.values if self.finite_of is None else self.finite_of)
 
     def split(self, numels: Sequence[int]) -> list[SparseEntries]:
         """The entries of each consecutive slice of ``numels`` elements, with indices local to the slice."""

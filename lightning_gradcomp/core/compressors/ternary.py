@@ -24,9 +24,10 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, all_finite, chunk_for, subtract_by_adding
+from lightning_gradcomp.core.compressors.base import STREAM_CHUNK, Payload, chunk_for, subtract_by_adding
 from lightning_gradcomp.core.compressors.blocks import sparse_nonzero
 from lightning_gradcomp.core.compressors.draws import Draws, random_bytes, uniform
+from lightning_gradcomp.core.compressors.finiteness import Finite, finiteness
 from lightning_gradcomp.core.compressors.kernels import (
     add_fields_,
     aligned_blocks,
@@ -658,13 +659,13 @@ class TernarySlice:
     def to_dense(self) -> Tensor:
         return self.payload.decode_range(self.start, self.numel)
 
-    def all_finite(self) -> bool:
+    def all_finite(self) -> Finite:
         """Whether the scales of the blocks this slice touches are finite (codes are 0 or +-1, and a
         code 0 times an infinite scale is NaN, so that is exactly when every decoded element is)."""
         if not self.numel:
             return True
         size = self.payload.block_size
-        return all_finite(self.payload.scales[self.start // size : -(-(self.start + self.numel) // size)])
+        return finiteness(self.payload.scales[self.start // size : -(-(self.start + self.numel) // size)])
 
     def split(self, numels: Sequence[int]) -> list[TernarySlice]:
         if sum(numels) != self.numel:

@@ -14,6 +14,7 @@ from lightning_gradcomp.core.compressors.ladder import top_k_by_levels
 from lightning_gradcomp.core.compressors.radix import radix_top_k
 from lightning_gradcomp.core.compressors.segments import Segments, at_least_in, largest, take
 from lightning_gradcomp.core.compressors.sparse import FixedKSparsifier, SparsePayload, k_for
+from lightning_gradcomp.core.host_waits import reads_wait
 from lightning_gradcomp.core.validation import check_choice, check_density
 
 #: How Top-k selects off the CPU (:attr:`TopKCompressor.device_selection`).
@@ -62,7 +63,7 @@ def kth_smallest(values: Tensor, rank: int) -> Tensor:
     ``kthvalue`` of them all: the sample decides only how fast, never what.
     """
     c = values.numel()
-    if c < BAND_FROM or values.device.type != "cpu" or not 1 <= rank <= c:  # on a device the counts would wait
+    if c < BAND_FROM or reads_wait(values.device) or not 1 <= rank <= c:  # on a device the counts would wait
         return torch.kthvalue(values, rank).values
     stride = c // BAND_SAMPLE
     sample = values[: stride * BAND_SAMPLE : stride].sort().values
@@ -183,7 +184,7 @@ class TopKCompressor(FixedKSparsifier):
         """Indices of exactly ``k < d`` entries of largest ``|flat|``; see the class for the method. Off the CPU, as
         :attr:`device_selection` says, without the sampled threshold's count and fallback, which would make the host
         wait for the device several times: by default ``torch.topk``, which never waits."""
-        if flat.device.type != "cpu":
+        if reads_wait(flat.device):
             way = check_choice("device_selection", self.device_selection, DEVICE_SELECTIONS)
             chosen = None
             if way == "radix":
